@@ -1,0 +1,1 @@
+"""steprecord: one durable, database-guarded record per step of a process instance."""

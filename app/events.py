@@ -1,0 +1,131 @@
+"""Event bodies: what each write endpoint accepts, checked before anything reaches the database."""
+
+import re
+from datetime import datetime
+from typing import Annotated, Any
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
+
+from app.errors import Problem, validation_problem
+from app.models import MAX_INT4, MAX_MESSAGE_BYTES, MAX_URL_CHARS, NAME_PATTERN, URL_PATTERN
+from app.serialize import dumps_value
+from app.steps import Event, Kind
+
+KINDS: tuple[Kind, ...] = ("declare", "start", "complete", "fail")
+_NAME = re.compile(NAME_PATTERN.removeprefix("^").removesuffix("$"))
+
+
+def _rfc3339_text(value: Any) -> Any:
+    if not isinstance(value, str):
+        raise ValueError("must be an RFC 3339 timestamp string with an offset")
+    return value
+
+
+Name = Annotated[StrictStr, Field(pattern=NAME_PATTERN, min_length=1, max_length=200)]
+Attempt = Annotated[StrictInt, Field(ge=1, le=MAX_INT4)]
+Ordinal = Annotated[StrictInt, Field(ge=0, le=MAX_INT4)]
+Timestamp = Annotated[AwareDatetime, BeforeValidator(_rfc3339_text)]
+Url = Annotated[StrictStr, Field(pattern=URL_PATTERN, max_length=MAX_URL_CHARS)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DeclareBody(_Body):
+    ordinal: Ordinal | None = None
+
+
+class StartBody(_Body):
+    attempt: Attempt | None = None
+    started_at: Timestamp | None = None
+    ordinal: Ordinal | None = None
+
+
+class _FinishBody(_Body):
+    attempt: Attempt | None = None
+    started_at: Timestamp | None = None
+    completed_at: Timestamp | None = None
+    ordinal: Ordinal | None = None
+
+
+class CompleteBody(_FinishBody):
+    output: JsonValue = None
+    external_output_url: Url | None = None
+
+
+class FailBody(_FinishBody):
+    error_code: Name
+    error_message: StrictStr | None = None
+
+    @field_validator("error_message")
+    @classmethod
+    def _message_size(cls, value: str | None) -> str | None:
+        if value is not None and len(value.encode()) > MAX_MESSAGE_BYTES:
+            raise ValueError(f"must be at most {MAX_MESSAGE_BYTES} bytes of UTF-8")
+        return value
+
+
+BODIES: dict[Kind, type[_Body]] = {
+    "declare": DeclareBody,
+    "start": StartBody,
+    "complete": CompleteBody,
+    "fail": FailBody,
+}
+
+
+def _errors(exc: ValidationError, prefix: str = "") -> list[dict[str, str]]:
+    return [
+        {"field": prefix + ".".join(str(p) for p in err["loc"]), "message": err["msg"]}
+        for err in exc.errors(include_url=False)
+    ]
+
+
+def check_names(**names: str) -> None:
+    """Refuse an instance key or step slug (from a path) that the format does not allow."""
+    bad = [
+        {"field": field, "message": f"must match {NAME_PATTERN}"}
+        for field, value in names.items()
+        if not _NAME.fullmatch(value)
+    ]
+    if bad:
+        raise validation_problem(bad)
+
+
+def parse_event(instance_key: str, step_slug: str, kind: Kind, body: Any) -> Event:
+    """Validate one event; raise a `Problem` naming every bad field, or return the event."""
+    check_names(instance_key=instance_key, step_slug=step_slug)
+    if body is None:
+        body = {}
+    if not isinstance(body, dict):
+        raise validation_problem([{"field": "", "message": "the body must be a JSON object"}])
+    try:
+        parsed = BODIES[kind].model_validate(body)
+    except ValidationError as exc:
+        raise validation_problem(_errors(exc)) from None
+    fields = parsed.model_dump(exclude_none=True)
+    started_at: datetime | None = fields.get("started_at")
+    completed_at: datetime | None = fields.get("completed_at")
+    if started_at is not None and completed_at is not None and started_at > completed_at:
+        raise Problem(422, "invalid_timing", "started_at is after completed_at")
+    output = fields.pop("output", None)
+    if output is not None and "external_output_url" in fields:
+        raise Problem(422, "output_conflict", "give output or external_output_url, not both")
+    return Event(
+        instance_key=instance_key,
+        step_slug=step_slug,
+        kind=kind,
+        output=None if output is None else dumps_value(output),
+        **fields,
+    )

@@ -1,0 +1,66 @@
+"""Wiring: settings, the connection pool, error handlers and routes."""
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from alembic.config import Config
+from alembic.script import ScriptDirectory
+from fastapi import FastAPI
+
+from app import errors, routes, schemas
+from app.config import Settings
+from app.db import Pool
+
+MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def alembic_config() -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    return config
+
+
+def schema_head() -> str:
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    if settings.database_url is None:
+        raise RuntimeError("DATABASE_URL is not set (`steprecord serve` sets it for you)")
+    conninfo = settings.database_url.get_secret_value()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.pool = Pool(
+            conninfo,
+            size=settings.pool_size,
+            timeout=settings.db_timeout,
+            prepare_threshold=settings.prepare_threshold,
+        )
+        app.state.schema_head = schema_head()
+        try:
+            yield
+        finally:
+            await app.state.pool.close()
+
+    app = FastAPI(
+        title="steprecord",
+        version="0.1.0",
+        description="One durable, database-guarded record per step of a process instance.",
+        lifespan=lifespan,
+    )
+    errors.install(app)
+    app.include_router(routes.router)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = schemas.problem_media_types(FastAPI.openapi(app))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app

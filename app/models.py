@@ -1,0 +1,140 @@
+"""The schema: the owner and the fact, with every invariant as a named constraint.
+
+The `BEFORE UPDATE` transition trigger lives in the migration (SQLAlchemy has no model for
+triggers); everything else here is compared against the migrations by a test.
+"""
+
+from datetime import datetime
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlmodel import Field, SQLModel
+
+# Must be assigned before any table is defined: the convention is applied at definition time.
+SQLModel.metadata.naming_convention = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+metadata: MetaData = SQLModel.metadata
+
+STATUSES = ("pending", "running", "completed", "failed")
+NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$"
+URL_PATTERN = "^[A-Za-z][A-Za-z0-9+.-]*://"
+MAX_OUTPUT_BYTES = 1024 * 1024
+MAX_MESSAGE_BYTES = 65536
+MAX_URL_CHARS = 2048
+MAX_INT4 = 2147483647
+
+
+def _now() -> Column[datetime]:
+    return Column(DateTime(timezone=True), nullable=False, server_default=text("now()"))
+
+
+class ProcessInstance(SQLModel, table=True):
+    __tablename__ = "process_instance"
+    __table_args__ = (
+        UniqueConstraint("instance_key"),
+        CheckConstraint(f"instance_key ~ '{NAME_PATTERN}'", name="instance_key_format"),
+        CheckConstraint("next_ordinal >= 0", name="next_ordinal_nonnegative"),
+        Index(None, "created_at", "id"),
+    )
+
+    id: int | None = Field(
+        default=None, sa_column=Column(BigInteger, Identity(always=True), primary_key=True)
+    )
+    instance_key: str = Field(sa_column=Column(Text, nullable=False))
+    # The next server-assigned ordinal; its row lock serialises the creation of new steps.
+    next_ordinal: int = Field(
+        default=0, sa_column=Column(BigInteger, nullable=False, server_default=text("0"))
+    )
+    created_at: datetime = Field(sa_column=_now())
+
+
+class WorkflowStepRecord(SQLModel, table=True):
+    __tablename__ = "workflow_step_record"
+    __table_args__ = (
+        UniqueConstraint("instance_id", "step_slug"),
+        UniqueConstraint("instance_id", "ordinal"),
+        Index(None, "instance_id", "started_at", "id"),
+        CheckConstraint(f"step_slug ~ '{NAME_PATTERN}'", name="step_slug_format"),
+        CheckConstraint(f"ordinal BETWEEN 0 AND {MAX_INT4}", name="ordinal_range"),
+        CheckConstraint(
+            "status IN (" + ", ".join(f"'{s}'" for s in STATUSES) + ")", name="status_known"
+        ),
+        CheckConstraint("attempt_count >= 1", name="attempt_count_positive"),
+        CheckConstraint(
+            "output IS NULL OR external_output_url IS NULL", name="output_inline_xor_external"
+        ),
+        CheckConstraint(f"octet_length(output::text) <= {MAX_OUTPUT_BYTES}", name="output_size"),
+        CheckConstraint(
+            f"external_output_url ~ '{URL_PATTERN}'"
+            f" AND char_length(external_output_url) <= {MAX_URL_CHARS}",
+            name="external_output_url_format",
+        ),
+        CheckConstraint(f"error_code ~ '{NAME_PATTERN}'", name="error_code_format"),
+        CheckConstraint(
+            f"octet_length(error_message) <= {MAX_MESSAGE_BYTES}", name="error_message_size"
+        ),
+        CheckConstraint("started_at <= completed_at", name="timing"),
+        CheckConstraint(
+            "status <> 'pending' OR (started_at IS NULL AND completed_at IS NULL"
+            " AND output IS NULL AND external_output_url IS NULL"
+            " AND error_code IS NULL AND error_message IS NULL)",
+            name="pending_content",
+        ),
+        CheckConstraint(
+            "status <> 'running' OR (started_at IS NOT NULL AND completed_at IS NULL"
+            " AND output IS NULL AND external_output_url IS NULL"
+            " AND error_code IS NULL AND error_message IS NULL)",
+            name="running_content",
+        ),
+        CheckConstraint(
+            "status <> 'completed' OR (started_at IS NOT NULL AND completed_at IS NOT NULL"
+            " AND error_code IS NULL AND error_message IS NULL)",
+            name="completed_content",
+        ),
+        CheckConstraint(
+            "status <> 'failed' OR (started_at IS NOT NULL AND completed_at IS NOT NULL"
+            " AND error_code IS NOT NULL AND output IS NULL AND external_output_url IS NULL)",
+            name="failed_content",
+        ),
+    )
+
+    id: int | None = Field(
+        default=None, sa_column=Column(BigInteger, Identity(always=True), primary_key=True)
+    )
+    instance_id: int = Field(
+        sa_column=Column(BigInteger, ForeignKey("process_instance.id"), nullable=False)
+    )
+    step_slug: str = Field(sa_column=Column(Text, nullable=False))
+    ordinal: int = Field(sa_column=Column(Integer, nullable=False))
+    status: str = Field(sa_column=Column(Text, nullable=False))
+    attempt_count: int = Field(sa_column=Column(Integer, nullable=False))
+    output: object | None = Field(default=None, sa_column=Column(JSONB, nullable=True))
+    external_output_url: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    started_at: datetime | None = Field(
+        default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
+    )
+    completed_at: datetime | None = Field(
+        default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
+    )
+    error_code: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    error_message: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    created_at: datetime = Field(sa_column=_now())
+    updated_at: datetime = Field(sa_column=_now())

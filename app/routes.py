@@ -1,0 +1,263 @@
+"""HTTP handlers: parse, call the data module, shape the response."""
+
+import base64
+import binascii
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+import orjson
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+
+from app import schemas, steps
+from app.db import Pool
+from app.errors import Problem, validation_problem
+from app.events import BODIES, KINDS, check_names, parse_event
+from app.serialize import BadJSON, UnacceptableJSON, dumps, loads, record_json
+
+MAX_BODY_BYTES = 2 * 1024 * 1024
+REFUSALS = {
+    "conflict": (409, "the event conflicts with what is recorded for this attempt"),
+    "stale_attempt": (409, "a newer attempt has superseded this one"),
+    "not_started": (409, "the step has no start to complete or fail"),
+    "ordinal_taken": (409, "no ordinal is left for a new step of this instance"),
+}
+
+router = APIRouter()
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(dumps(body), status_code=status, media_type="application/json")
+
+
+def _pool(request: Request) -> Pool:
+    pool: Pool = request.app.state.pool
+    return pool
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The parsed body (None when empty), refusing more than `limit` bytes before parsing."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise Problem(413, "payload_too_large", f"the body is over {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise Problem(413, "payload_too_large", f"the body is over {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if not body.strip():
+        return None
+    try:
+        return loads(body)
+    except BadJSON as exc:
+        raise Problem(400, "invalid_json", f"the body is not JSON: {exc}") from None
+    except UnacceptableJSON as exc:
+        raise validation_problem([{"field": "", "message": str(exc)}]) from None
+
+
+def result_response(result: steps.Result) -> Response:
+    """201 for a record the event created, 200 for any other success, a 409 problem otherwise."""
+    if result.outcome in REFUSALS:
+        status, detail = REFUSALS[result.outcome]
+        current = None if result.record is None else record_json(result.record)
+        raise Problem(status, result.outcome, detail, current=current)
+    assert result.record is not None
+    return _json(record_json(result.record), 201 if result.outcome == "created" else 200)
+
+
+def _event_route(kind: steps.Kind) -> None:
+    async def handler(request: Request, instance_key: str, step_slug: str) -> Response:
+        event = parse_event(instance_key, step_slug, kind, await read_json(request, MAX_BODY_BYTES))
+        async with _pool(request).connection() as conn:
+            result = await steps.apply_event(conn, event)
+        return result_response(result)
+
+    router.add_api_route(
+        f"/v1/instances/{{instance_key}}/steps/{{step_slug}}/{kind}",
+        handler,
+        methods=["POST"],
+        name=f"{kind}_step",
+        summary=f"Report a `{kind}` event",
+        tags=["events"],
+        responses=schemas.event_responses(),
+        openapi_extra=schemas.request_body(BODIES[kind], required=kind in ("complete", "fail")),
+    )
+
+
+for _kind in KINDS:
+    _event_route(_kind)
+
+
+# --- reads -----------------------------------------------------------------------------
+
+
+def encode_cursor(kind: str, *position: Any) -> str:
+    raw = orjson.dumps([kind, *position], default=_cursor_default)
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _cursor_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError
+
+
+def decode_cursor(cursor: str, kind: str, arity: int) -> list[Any]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        value = orjson.loads(raw)
+    except (binascii.Error, ValueError):
+        value = None
+    if not (isinstance(value, list) and len(value) == arity + 1 and value[0] == kind):
+        raise validation_problem(
+            [{"field": "cursor", "message": f"not a cursor of this listing ({kind})"}]
+        )
+    return value[1:]
+
+
+def _timestamp_or_none(value: Any) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except (TypeError, ValueError):
+        parsed = None
+    if parsed is None or parsed.tzinfo is None:
+        raise validation_problem([{"field": "cursor", "message": "garbled cursor"}])
+    return parsed
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int:
+        raise validation_problem([{"field": "cursor", "message": "garbled cursor"}])
+    return value
+
+
+def _statuses(status: str | None) -> list[str] | None:
+    if status is None:
+        return None
+    values = [s.strip() for s in status.split(",") if s.strip()]
+    unknown = [s for s in values if s not in schemas.STATUSES]
+    if unknown or not values:
+        raise validation_problem(
+            [{"field": "status", "message": f"one or more of {', '.join(schemas.STATUSES)}"}]
+        )
+    return values
+
+
+@router.get(
+    "/v1/instances/{instance_key}/steps",
+    tags=["reads"],
+    summary="List an instance's step records",
+    responses=schemas.read_responses(schemas.RecordPage),
+)
+async def list_steps(
+    request: Request,
+    instance_key: str,
+    order: Literal["ordinal", "started_at"] = "ordinal",
+    status: Annotated[
+        str | None, Query(description="Comma-separated statuses, e.g. running,failed")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    cursor: str | None = None,
+    fields: Literal["full", "summary"] = "full",
+) -> Response:
+    check_names(instance_key=instance_key)
+    statuses = _statuses(status)
+    after: list[Any] | None = None
+    if cursor is not None:
+        if order == "ordinal":
+            after = [_int(decode_cursor(cursor, "o", 1)[0])]
+        else:
+            started_at, last_id = decode_cursor(cursor, "s", 2)
+            after = [_timestamp_or_none(started_at), _int(last_id)]
+    async with _pool(request).connection() as conn:
+        page = await steps.list_steps(
+            conn, instance_key, order=order, after=after, statuses=statuses, limit=limit
+        )
+    next_cursor = None
+    if page.last is not None:
+        if order == "ordinal":
+            next_cursor = encode_cursor("o", page.last["ordinal"])
+        else:
+            next_cursor = encode_cursor("s", page.last["started_at"], page.last["id"])
+    summary = fields == "summary"
+    return _json(
+        {"items": [record_json(r, summary) for r in page.items], "next_cursor": next_cursor}
+    )
+
+
+@router.get(
+    "/v1/instances/{instance_key}/steps/{step_slug}",
+    tags=["reads"],
+    summary="One step record",
+    responses=schemas.read_responses(schemas.Record),
+)
+async def get_step(
+    request: Request,
+    instance_key: str,
+    step_slug: str,
+    fields: Literal["full", "summary"] = "full",
+) -> Response:
+    check_names(instance_key=instance_key, step_slug=step_slug)
+    async with _pool(request).connection() as conn:
+        record = await steps.get_step(conn, instance_key, step_slug)
+    return _json(record_json(record, fields == "summary"))
+
+
+@router.get(
+    "/v1/instances/{instance_key}",
+    tags=["reads"],
+    summary="An instance with its step counts",
+    responses=schemas.read_responses(schemas.Instance),
+)
+async def get_instance(request: Request, instance_key: str) -> Response:
+    check_names(instance_key=instance_key)
+    async with _pool(request).connection() as conn:
+        return _json(await steps.get_instance(conn, instance_key))
+
+
+@router.get(
+    "/v1/instances",
+    tags=["reads"],
+    summary="Instances, newest first",
+    responses=schemas.read_responses(schemas.InstancePage),
+)
+async def list_instances(
+    request: Request,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    cursor: str | None = None,
+) -> Response:
+    before: list[Any] | None = None
+    if cursor is not None:
+        created_at, last_id = decode_cursor(cursor, "i", 2)
+        before = [_timestamp_or_none(created_at), _int(last_id)]
+        if before[0] is None:
+            raise validation_problem([{"field": "cursor", "message": "garbled cursor"}])
+    async with _pool(request).connection() as conn:
+        items, last = await steps.list_instances(conn, before=before, limit=limit)
+    next_cursor = None if last is None else encode_cursor("i", last["created_at"], last["id"])
+    return _json({"items": items, "next_cursor": next_cursor})
+
+
+@router.get("/healthz", tags=["operations"], summary="The process is alive")
+async def healthz() -> Response:
+    return _json({"status": "ok"})
+
+
+@router.get(
+    "/readyz",
+    tags=["operations"],
+    summary="The database is reachable and at the migration head",
+    responses={503: {"model": schemas.ProblemModel}},
+)
+async def readyz(request: Request) -> Response:
+    head: str = request.app.state.schema_head
+    async with _pool(request).connection() as conn:
+        current = await steps.schema_revision(conn)
+    if current != head:
+        raise Problem(503, "unavailable", f"schema at {current}, expected {head}")
+    return _json({"status": "ready", "schema": current})

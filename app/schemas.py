@@ -1,0 +1,118 @@
+"""Response shapes, for the OpenAPI document (handlers render JSON directly)."""
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, JsonValue
+
+from app.models import STATUSES
+
+__all__ = ["STATUSES"]
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: int
+    instance_key: str
+    step_slug: str
+    ordinal: int
+    status: str
+    attempt_count: int
+    output: JsonValue = None
+    external_output_url: str | None
+    started_at: str | None
+    completed_at: str | None
+    error_code: str | None
+    error_message: str | None = None
+    created_at: str
+    updated_at: str
+
+
+class RecordPage(BaseModel):
+    items: list[Record]
+    next_cursor: str | None
+
+
+class StepCounts(BaseModel):
+    pending: int
+    running: int
+    completed: int
+    failed: int
+
+
+class Instance(BaseModel):
+    id: int
+    instance_key: str
+    created_at: str
+    step_counts: StepCounts
+
+
+class InstanceItem(BaseModel):
+    id: int
+    instance_key: str
+    created_at: str
+
+
+class InstancePage(BaseModel):
+    items: list[InstanceItem]
+    next_cursor: str | None
+
+
+class FieldError(BaseModel):
+    field: str
+    message: str
+
+
+class ProblemModel(BaseModel):
+    type: str
+    title: str
+    status: int
+    detail: str
+    code: str
+    errors: list[FieldError] | None = None
+    current: Record | None = None
+
+
+def _problem(description: str) -> dict[str, Any]:
+    return {"model": ProblemModel, "description": description}
+
+
+def problem_media_types(document: dict[str, Any]) -> dict[str, Any]:
+    """Declare error responses as `application/problem+json`, which is what they are."""
+    for operation in (op for item in document["paths"].values() for op in item.values()):
+        for status, response in operation.get("responses", {}).items():
+            content = response.get("content", {})
+            if status[0] in "45" and "application/json" in content:
+                response["content"] = {"application/problem+json": content["application/json"]}
+    return document
+
+
+def event_responses() -> dict[int | str, dict[str, Any]]:
+    return {
+        200: {"model": Record, "description": "Applied to, or replayed on, an existing record"},
+        201: {"model": Record, "description": "Created the record"},
+        400: _problem("Body is not JSON"),
+        409: _problem("conflict, stale_attempt, not_started or ordinal_taken"),
+        413: _problem("Output or body too large"),
+        422: _problem("Invalid request"),
+        503: _problem("Database unavailable"),
+    }
+
+
+def read_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    return {
+        200: {"model": model, "description": "OK"},
+        404: _problem("Instance or step not found"),
+        422: _problem("Invalid request"),
+        503: _problem("Database unavailable"),
+    }
+
+
+def request_body(model: type[BaseModel], *, required: bool) -> dict[str, Any]:
+    schema = model.model_json_schema()
+    return {
+        "requestBody": {
+            "required": required,
+            "content": {"application/json": {"schema": schema}},
+        }
+    }

@@ -1,0 +1,116 @@
+"""JSON in and out: strict parsing of request bodies and fast rendering of records."""
+
+import json
+import math
+import re
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+# An escaped NUL (`\u0000`) preceded by an even number of backslashes, i.e. a real escape.
+_ESCAPED_NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
+
+
+class BadJSON(Exception):
+    """Not JSON at all (400 `invalid_json`)."""
+
+
+class UnacceptableJSON(Exception):
+    """JSON the service refuses: NUL, lone surrogates, NaN or Infinity (422)."""
+
+
+def loads(body: bytes) -> Any:
+    if _ESCAPED_NUL.search(body):
+        raise UnacceptableJSON("strings may not contain NUL (\\u0000)")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        fast_error = str(exc)
+    # orjson refuses a few things that are still JSON (integers past 64 bits) and a few that
+    # are not (NaN, Infinity, lone surrogates); the standard parser tells them apart.
+    try:
+        value = json.loads(body, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except UnacceptableJSON:
+        raise
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadJSON(fast_error) from exc
+    _check_encodable(value)
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise UnacceptableJSON(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise UnacceptableJSON(f"{text} is out of range for a JSON number")
+    return value
+
+
+def _check_encodable(value: Any) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise UnacceptableJSON("strings may not contain lone surrogates") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_encodable(key)
+            _check_encodable(item)
+    elif isinstance(value, list):
+        for item in value:
+            _check_encodable(item)
+
+
+def dumps_value(value: Any) -> str:
+    """Compact JSON text of a parsed value (falls back for integers orjson cannot hold)."""
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def timestamp(value: datetime) -> str:
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return timestamp(value)
+    raise TypeError(f"cannot serialise {type(value).__name__}")
+
+
+RECORD_KEYS = (
+    "id",
+    "instance_key",
+    "step_slug",
+    "ordinal",
+    "status",
+    "attempt_count",
+    "output",
+    "external_output_url",
+    "started_at",
+    "completed_at",
+    "error_code",
+    "error_message",
+    "created_at",
+    "updated_at",
+)
+
+
+def record_json(record: dict[str, Any], summary: bool = False) -> dict[str, Any]:
+    """A record as the API shows it, with the stored output embedded without re-parsing."""
+    out = {key: record[key] for key in RECORD_KEYS}
+    if summary:
+        del out["output"], out["error_message"]
+    elif out["output"] is not None:
+        out["output"] = orjson.Fragment(out["output"])
+    return out
+
+
+def dumps(value: Any) -> bytes:
+    """JSON bytes; timestamps in UTC with a `Z` (microseconds only when not zero)."""
+    return orjson.dumps(value, default=default, option=orjson.OPT_PASSTHROUGH_DATETIME)
