@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 
 def _bin_path() -> Path:
@@ -43,10 +44,16 @@ class EmbeddedPostgres:
     def url(self) -> str:
         return f"postgresql://postgres@/postgres?host={self.socket_dir}&port=5432"
 
+    def _as_user(self) -> dict[str, Any]:
+        # The server user's own group too: keeping root's group would deny it group-less dirs.
+        if self._user is None:
+            return {}
+        return {"user": self._user, "group": self._user, "extra_groups": []}
+
     def _run(self, *args: str) -> None:
         done = subprocess.run(
             [str(POSTGRES_BIN_PATH / args[0]), *args[1:]],
-            user=self._user,
+            **self._as_user(),
             capture_output=True,
             text=True,
             timeout=120,
@@ -79,7 +86,7 @@ class EmbeddedPostgres:
     def _status_ok(self) -> bool:
         done = subprocess.run(
             [str(POSTGRES_BIN_PATH / "pg_ctl"), "status", "-D", str(self.pgdata)],
-            user=self._user,
+            **self._as_user(),
             capture_output=True,
             cwd="/",
         )

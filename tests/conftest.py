@@ -1,0 +1,153 @@
+"""Fixtures: a real PostgreSQL migrated by alembic, a live server, and clean tables per test.
+
+With `DATABASE_URL` set, the tests create (and finally drop) their own database on that
+server; without it they start an embedded PostgreSQL in a temporary directory.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+
+from app.cli import migrate
+from app.embedded import EmbeddedPostgres
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def server_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A maintenance connection string to a PostgreSQL server the tests may create databases on."""
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        yield url
+        return
+    embedded = EmbeddedPostgres(tmp_path_factory.mktemp("embedded"))
+    try:
+        yield embedded.start()
+    finally:
+        embedded.stop()
+
+
+def create_database(server_dsn: str, name: str) -> str:
+    with psycopg.connect(server_dsn, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return psycopg.conninfo.make_conninfo(server_dsn, dbname=name)
+
+
+def drop_database(server_dsn: str, name: str) -> None:
+    with psycopg.connect(server_dsn, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def database_url(server_dsn: str) -> Iterator[str]:
+    """A fresh database, migrated to head by alembic."""
+    name = f"steprecord_test_{os.getpid()}"
+    url = create_database(server_dsn, name)
+    migrate(url)
+    try:
+        yield url
+    finally:
+        drop_database(server_dsn, name)
+
+
+@pytest.fixture
+def scratch_database(server_dsn: str) -> Iterator[str]:
+    """An empty database of the test's own (for migration tests)."""
+    name = f"steprecord_scratch_{uuid.uuid4().hex[:12]}"
+    url = create_database(server_dsn, name)
+    try:
+        yield url
+    finally:
+        drop_database(server_dsn, name)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError("server did not become ready")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_server(
+    database_url: str, *extra: str, env: dict[str, str] | None = None
+) -> tuple[str, subprocess.Popen[bytes]]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), *extra],
+        env={**os.environ, **(env or {}), "DATABASE_URL": database_url},
+        cwd=ROOT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+    except BaseException:
+        stop(proc)
+        raise
+    return url, proc
+
+
+@pytest.fixture(scope="session")
+def server_url(database_url: str) -> Iterator[str]:
+    url, proc = start_server(database_url)
+    try:
+        yield url
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(autouse=True)
+def _clean_tables(database_url: str) -> None:
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("TRUNCATE workflow_step_record, process_instance RESTART IDENTITY")
+
+
+@pytest.fixture
+def client(server_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server_url, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture
+def db(database_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    """A raw connection inside a transaction that is rolled back after the test."""
+    with psycopg.connect(database_url) as conn:
+        try:
+            yield conn
+        finally:
+            conn.rollback()

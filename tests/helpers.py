@@ -1,0 +1,41 @@
+"""Small helpers shared by the HTTP tests."""
+
+from typing import Any
+
+import httpx
+
+T0 = "2026-12-02T10:00:00Z"
+T1 = "2026-12-02T10:00:01Z"
+T2 = "2026-12-02T10:00:02Z"
+T3 = "2026-12-02T10:00:03Z"
+T4 = "2026-12-02T10:00:04Z"
+
+
+def step_path(instance: str = "order-1", step: str = "charge") -> str:
+    return f"/v1/instances/{instance}/steps/{step}"
+
+
+def post(
+    client: httpx.Client, kind: str, body: Any = None, instance: str = "order-1",
+    step: str = "charge",
+) -> httpx.Response:
+    url = f"{step_path(instance, step)}/{kind}"
+    if body is None:
+        return client.post(url)
+    return client.post(url, json=body)
+
+
+def record(client: httpx.Client, instance: str = "order-1", step: str = "charge") -> Any:
+    response = client.get(step_path(instance, step))
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def problem(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    body: dict[str, Any] = response.json()
+    assert body["code"] == code, body
+    assert body["status"] == status
+    assert {"type", "title", "detail"} <= body.keys()
+    return body
