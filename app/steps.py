@@ -272,25 +272,34 @@ LEFT JOIN LATERAL (
 WHERE p.instance_key = %(instance_key)s
 """
 
+_STARTED = f"""
+    (SELECT {RECORD.format(r="r")} FROM workflow_step_record r
+     WHERE r.instance_id = p.id
+       AND (r.started_at, r.id) > (%(after_started_at)s, %(after_id)s) {STATUS_FILTER}
+     ORDER BY r.started_at, r.id
+     LIMIT %(limit)s)
+"""
+_UNSTARTED = f"""
+    (SELECT {RECORD.format(r="r")} FROM workflow_step_record r
+     WHERE r.instance_id = p.id AND r.started_at IS NULL
+       AND r.id > %(after_id)s {STATUS_FILTER}
+     ORDER BY r.started_at, r.id
+     LIMIT %(limit)s)
+"""
 # Started steps by (started_at, id), then never-started ones by id: two index range scans
-# appended, so neither needs a sort and the cursor can resume in either part.
+# appended, so neither needs a sort. A cursor inside the never-started part needs only that one.
 LIST_BY_STARTED_AT = f"""
 SELECT p.id AS instance_id, s.*
 FROM process_instance p
 LEFT JOIN LATERAL (
-    (SELECT {RECORD.format(r="r")} FROM workflow_step_record r
-     WHERE r.instance_id = p.id AND NOT %(in_unstarted)s
-       AND (r.started_at, r.id) > (%(after_started_at)s, %(after_id)s) {STATUS_FILTER}
-     ORDER BY r.started_at, r.id
-     LIMIT %(limit)s)
-    UNION ALL
-    (SELECT {RECORD.format(r="r")} FROM workflow_step_record r
-     WHERE r.instance_id = p.id AND r.started_at IS NULL
-       AND r.id > (CASE WHEN %(in_unstarted)s THEN %(after_id)s ELSE 0 END) {STATUS_FILTER}
-     ORDER BY r.started_at, r.id
-     LIMIT %(limit)s)
-    LIMIT %(limit)s
+    {_STARTED} UNION ALL {_UNSTARTED.replace("%(after_id)s", "0")} LIMIT %(limit)s
 ) s ON true
+WHERE p.instance_key = %(instance_key)s
+"""
+LIST_UNSTARTED = f"""
+SELECT p.id AS instance_id, s.*
+FROM process_instance p
+LEFT JOIN LATERAL {_UNSTARTED} s ON true
 WHERE p.instance_key = %(instance_key)s
 """
 
@@ -323,11 +332,10 @@ async def list_steps(
         params["after_ordinal"] = after[0] if after else -1
         query = LIST_BY_ORDINAL
     else:
-        started_at, last_id = after if after else (None, 0)
-        params["in_unstarted"] = after is not None and started_at is None
-        params["after_started_at"] = started_at if started_at is not None else "-infinity"
+        started_at, last_id = after if after else ("-infinity", 0)
+        params["after_started_at"] = started_at
         params["after_id"] = last_id
-        query = LIST_BY_STARTED_AT
+        query = LIST_BY_STARTED_AT if started_at is not None else LIST_UNSTARTED
     cur = await conn.execute(query, params)
     rows = await cur.fetchall()
     if not rows:

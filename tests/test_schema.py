@@ -1,0 +1,323 @@
+"""What the database itself refuses (raw SQL), the migrations, and the indexed reads."""
+
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import CheckConstraint, ForeignKeyConstraint, UniqueConstraint
+
+from app import steps
+from app.cli import migrate
+from app.db import sync_engine
+from app.main import alembic_config
+from app.models import metadata
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+T1, T2 = "2026-12-02T10:00:01Z", "2026-12-02T10:00:02Z"
+
+VALID: dict[str, dict[str, Any]] = {
+    "pending": {},
+    "running": {"started_at": T1},
+    "completed_inline": {"status": "completed", "started_at": T1, "completed_at": T2,
+                         "output": '{"a": 1}'},
+    "completed_external": {"status": "completed", "started_at": T1, "completed_at": T2,
+                           "external_output_url": "s3://b/k"},
+    "completed_empty": {"status": "completed", "started_at": T1, "completed_at": T2},
+    "failed": {"status": "failed", "started_at": T1, "completed_at": T2, "error_code": "Boom",
+               "error_message": "it broke"},
+}
+BASE: dict[str, dict[str, Any]] = {
+    "pending": {"status": "pending"},
+    "running": {"status": "running", "started_at": T1},
+    "completed": VALID["completed_inline"],
+    "failed": VALID["failed"],
+}
+
+
+@pytest.fixture
+def instance_id(db: Conn) -> int:
+    row = db.execute(
+        "INSERT INTO process_instance (instance_key) VALUES ('run-1') RETURNING id"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+_counter = iter(range(10**9))
+
+
+def insert(db: Conn, instance_id: int, **fields: Any) -> int:
+    values = {"step_slug": f"s{next(_counter)}", "ordinal": next(_counter),
+              "status": "pending", "attempt_count": 1, **fields}
+    columns = ", ".join(["instance_id", *values])
+    marks = ", ".join(["%s"] * (len(values) + 1))
+    row = db.execute(
+        f"INSERT INTO workflow_step_record ({columns}) VALUES ({marks}) RETURNING id",
+        [instance_id, *values.values()],
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def refused(db: Conn, constraint: str, sql: str, params: Any = ()) -> None:
+    with pytest.raises(psycopg.errors.IntegrityError) as caught, db.transaction():
+        db.execute(sql, params)
+    assert caught.value.diag.constraint_name == constraint
+
+
+@pytest.mark.parametrize("shape", VALID)
+def test_valid_shapes_are_accepted(db: Conn, instance_id: int, shape: str) -> None:
+    status = VALID[shape].get("status", "running" if shape == "running" else "pending")
+    insert(db, instance_id, **{**VALID[shape], "status": status})
+
+
+FORBIDDEN: list[tuple[str, str, dict[str, Any]]] = [
+    ("status_known", "pending", {"status": "done"}),
+    ("attempt_count_positive", "pending", {"attempt_count": 0}),
+    ("attempt_count_positive", "running", {"attempt_count": -3}),
+    ("output_inline_xor_external", "completed", {"external_output_url": "s3://b/k"}),
+    ("timing", "completed", {"started_at": T2, "completed_at": T1}),
+    ("pending_content", "pending", {"started_at": T1}),
+    ("pending_content", "pending", {"output": "1"}),
+    ("pending_content", "pending", {"external_output_url": "s3://b/k"}),
+    ("pending_content", "pending", {"error_code": "E"}),
+    ("pending_content", "pending", {"error_message": "m"}),
+    ("running_content", "running", {"started_at": None}),
+    ("running_content", "running", {"completed_at": T2}),
+    ("running_content", "running", {"output": "1"}),
+    ("running_content", "running", {"external_output_url": "s3://b/k"}),
+    ("running_content", "running", {"error_code": "E"}),
+    ("completed_content", "completed", {"started_at": None}),
+    ("completed_content", "completed", {"completed_at": None}),
+    ("completed_content", "completed", {"error_code": "E"}),
+    ("completed_content", "completed", {"error_message": "m"}),
+    ("failed_content", "failed", {"error_code": None}),
+    ("failed_content", "failed", {"completed_at": None}),
+    ("failed_content", "failed", {"output": "1"}),
+    ("failed_content", "failed", {"external_output_url": "s3://b/k"}),
+    ("step_slug_format", "pending", {"step_slug": "has space"}),
+    ("step_slug_format", "pending", {"step_slug": "a/b"}),
+    ("step_slug_format", "pending", {"step_slug": ""}),
+    ("step_slug_format", "pending", {"step_slug": "-leading"}),
+    ("step_slug_format", "pending", {"step_slug": "x" * 201}),
+    ("error_code_format", "failed", {"error_code": "no spaces"}),
+    ("error_message_size", "failed", {"error_message": "é" * 32769}),
+    ("external_output_url_format", "completed",
+     {"output": None, "external_output_url": "no-scheme"}),
+    ("external_output_url_format", "completed",
+     {"output": None, "external_output_url": "s3://" + "k" * 2044}),
+    ("output_size", "completed", {"output": '"' + "x" * 1048575 + '"'}),
+    ("ordinal_range", "pending", {"ordinal": -1}),
+]
+
+
+@pytest.mark.parametrize(("constraint", "status", "change"), FORBIDDEN)
+def test_forbidden_records_are_refused_by_their_named_constraint(
+    db: Conn, instance_id: int, constraint: str, status: str, change: dict[str, Any]
+) -> None:
+    values = {"step_slug": "s", "ordinal": 0, "attempt_count": 1, **BASE[status], **change}
+    columns = ", ".join(["instance_id", *values])
+    marks = ", ".join(["%s"] * (len(values) + 1))
+    refused(db, f"ck_workflow_step_record_{constraint}",
+            f"INSERT INTO workflow_step_record ({columns}) VALUES ({marks})",
+            [instance_id, *values.values()])
+
+
+def test_boundary_sizes_are_accepted(db: Conn, instance_id: int) -> None:
+    insert(db, instance_id, **{**VALID["failed"], "error_message": "é" * 32768,
+                               "error_code": "E" * 200})
+    insert(db, instance_id, **{**VALID["completed_inline"], "output": '"' + "x" * 1048574 + '"'})
+    insert(db, instance_id, **{**VALID["completed_external"],
+                               "external_output_url": "s3://" + "k" * 2043})
+
+
+def test_unique_keys_and_owner_are_enforced(db: Conn, instance_id: int) -> None:
+    insert(db, instance_id, step_slug="a", ordinal=1)
+    sql = ("INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status,"
+           " attempt_count) VALUES (%s, %s, %s, 'pending', 1)")
+    refused(db, "uq_workflow_step_record_instance_id_step_slug", sql, (instance_id, "a", 2))
+    refused(db, "uq_workflow_step_record_instance_id_ordinal", sql, (instance_id, "b", 1))
+    refused(db, "fk_workflow_step_record_instance_id_process_instance", sql, (-1, "c", 3))
+    refused(db, "ck_process_instance_instance_key_format",
+            "INSERT INTO process_instance (instance_key) VALUES ('no/slash')")
+    refused(db, "uq_process_instance_instance_key",
+            "INSERT INTO process_instance (instance_key) VALUES ('run-1')")
+
+
+TRANSITIONS_REFUSED: list[tuple[str, dict[str, Any], str]] = [
+    ("completed", {"status": "running", "completed_at": None, "output": None}, "rank back"),
+    ("completed", {"output": '{"a": 2}'}, "finished output changed"),
+    ("completed", {"completed_at": "2026-12-02T10:00:05Z"}, "finished time changed"),
+    ("completed", {"started_at": "2026-12-02T10:00:00Z"}, "finished start changed"),
+    ("completed", {"output": None, "external_output_url": "s3://b/k"}, "finished output moved"),
+    ("failed", {"error_message": "other"}, "finished error changed"),
+    ("failed", {"status": "completed", "error_code": None, "error_message": None},
+     "finished status changed"),
+    ("running", {"status": "pending", "started_at": None}, "running back to pending"),
+    ("running", {"attempt_count": 0 + 1, "started_at": T2}, "same position is fine"),
+    ("pending", {"step_slug": "renamed"}, "slug changed"),
+    ("pending", {"ordinal": 99}, "ordinal changed"),
+    ("pending", {"created_at": "2000-01-01T00:00:00Z"}, "created_at changed"),
+]
+
+
+@pytest.mark.parametrize(("status", "change", "why"),
+                         [t for t in TRANSITIONS_REFUSED if t[2] != "same position is fine"])
+def test_forbidden_transitions_are_refused_by_the_trigger(
+    db: Conn, instance_id: int, status: str, change: dict[str, Any], why: str
+) -> None:
+    record_id = insert(db, instance_id, **BASE[status])
+    sets = ", ".join(f"{column} = %s" for column in change)
+    refused(db, "tr_workflow_step_record_transition",
+            f"UPDATE workflow_step_record SET {sets} WHERE id = %s",
+            [*change.values(), record_id])
+
+
+def test_attempt_count_never_decreases(db: Conn, instance_id: int) -> None:
+    record_id = insert(db, instance_id, **{**BASE["running"], "attempt_count": 2})
+    refused(db, "tr_workflow_step_record_transition",
+            "UPDATE workflow_step_record SET attempt_count = 1 WHERE id = %s", (record_id,))
+
+
+def test_owner_never_changes(db: Conn, instance_id: int) -> None:
+    other = db.execute("INSERT INTO process_instance (instance_key) VALUES ('run-2') RETURNING id")
+    other_id = other.fetchone()
+    assert other_id is not None
+    record_id = insert(db, instance_id)
+    refused(db, "tr_workflow_step_record_transition",
+            "UPDATE workflow_step_record SET instance_id = %s WHERE id = %s",
+            (other_id[0], record_id))
+
+
+def test_allowed_transitions_pass_the_trigger(db: Conn, instance_id: int) -> None:
+    record_id = insert(db, instance_id)
+    for change in (
+        BASE["running"],
+        {**BASE["completed"]},
+        {"status": "running", "attempt_count": 2, "started_at": T2, "completed_at": None,
+         "output": None},
+        {"status": "failed", "completed_at": "2026-12-02T10:00:09Z", "error_code": "E"},
+    ):
+        sets = ", ".join(f"{column} = %s" for column in change)
+        db.execute(f"UPDATE workflow_step_record SET {sets} WHERE id = %s",
+                   [*change.values(), record_id])
+    row = db.execute("SELECT status, attempt_count FROM workflow_step_record").fetchone()
+    assert row == ("failed", 2)
+
+
+# --- migrations -----------------------------------------------------------------------
+
+
+def test_models_and_migrations_agree(database_url: str) -> None:
+    engine = sync_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn), metadata)
+            names = {
+                row[0]
+                for row in conn.exec_driver_sql(
+                    "SELECT conname FROM pg_constraint c JOIN pg_class t ON t.oid = c.conrelid"
+                    " WHERE t.relname IN ('process_instance', 'workflow_step_record')"
+                    " AND c.contype IN ('c', 'u', 'f')"
+                )
+            }
+    finally:
+        engine.dispose()
+    assert diff == []
+    expected = {
+        str(constraint.name)
+        for table in metadata.tables.values()
+        for constraint in table.constraints
+        if isinstance(constraint, CheckConstraint | UniqueConstraint | ForeignKeyConstraint)
+    }
+    assert names == expected
+
+
+def _tables(url: str) -> set[str]:
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
+        ).fetchall()
+    return {str(r[0]) for r in rows}
+
+
+def test_migrations_upgrade_downgrade_and_upgrade_again(scratch_database: str) -> None:
+    migrate(scratch_database)
+    assert {"process_instance", "workflow_step_record", "alembic_version"} <= _tables(
+        scratch_database
+    )
+    config = alembic_config()
+    config.attributes["database_url"] = scratch_database
+    command.downgrade(config, "base")
+    assert _tables(scratch_database) == {"alembic_version"}
+    with psycopg.connect(scratch_database) as conn:
+        functions = conn.execute(
+            "SELECT count(*) FROM pg_proc WHERE proname = 'workflow_step_record_guard_transition'"
+        ).fetchone()
+    assert functions == (0,)
+    migrate(scratch_database)
+    assert "workflow_step_record" in _tables(scratch_database)
+
+
+# --- indexed reads --------------------------------------------------------------------
+
+
+@pytest.fixture
+def big_table(db: Conn) -> Iterator[Conn]:
+    """10^5 records over 100 instances of 1,000 steps (rolled back after the test)."""
+    db.execute("""
+        INSERT INTO process_instance (instance_key)
+        SELECT 'run-' || i FROM generate_series(1, 100) i
+    """)
+    db.execute("""
+        INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attempt_count,
+                                          started_at)
+        SELECT p.id, 'step-' || s, s, CASE WHEN s % 10 = 0 THEN 'pending' ELSE 'running' END, 1,
+               CASE WHEN s % 10 = 0 THEN NULL
+                    ELSE timestamptz '2026-01-01' + (s * 7 % 1000) * interval '1 s' END
+        FROM process_instance p, generate_series(0, 999) s
+    """)
+    db.execute("ANALYZE process_instance")
+    db.execute("ANALYZE workflow_step_record")
+    yield db
+
+
+def plan(db: Conn, sql: str, params: dict[str, Any]) -> str:
+    rows = db.execute("EXPLAIN " + sql, params).fetchall()
+    return "\n".join(str(r[0]) for r in rows)
+
+
+LIST_PARAMS = {"instance_key": "run-50", "statuses": None, "limit": 101}
+
+
+def test_list_by_ordinal_reads_the_ordinal_index_without_sorting(big_table: Conn) -> None:
+    text = plan(big_table, steps.LIST_BY_ORDINAL, {**LIST_PARAMS, "after_ordinal": 10})
+    assert "uq_workflow_step_record_instance_id_ordinal" in text, text
+    assert "Sort" not in text, text
+
+
+@pytest.mark.parametrize("query", [steps.LIST_BY_STARTED_AT, steps.LIST_UNSTARTED])
+def test_list_by_started_at_reads_the_time_index_without_sorting(
+    big_table: Conn, query: str
+) -> None:
+    params = {**LIST_PARAMS, "after_started_at": "-infinity", "after_id": 0, "limit": 51}
+    text = plan(big_table, query, params)
+    assert "ix_workflow_step_record_instance_id_started_at_id" in text, text
+    assert "Sort" not in text, text
+
+
+def test_list_instances_reads_the_time_index_without_sorting(db: Conn) -> None:
+    db.execute("""
+        INSERT INTO process_instance (instance_key, created_at)
+        SELECT 'run-' || i, timestamptz '2026-01-01' + i * interval '1 s'
+        FROM generate_series(1, 100000) i
+    """)
+    db.execute("ANALYZE process_instance")
+    params = {"before_created_at": "2026-01-01T12:00:00Z", "before_id": 0, "limit": 101}
+    text = plan(db, steps.LIST_INSTANCES, params)
+    assert "ix_process_instance_created_at_id" in text, text
+    assert "Sort" not in text, text
