@@ -118,6 +118,9 @@ async def _handle_known(request: Request, exc: Exception) -> Response:
 async def _handle_http(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 404:
+        if b"%2f" in request.scope.get("raw_path", b"").lower():
+            message = "instance keys and step slugs may not contain /"
+            return validation_problem([{"field": "path", "message": message}]).response()
         return Problem(404, "not_found", f"no route for {request.url.path}").response()
     if exc.status_code == 405:
         allow = (exc.headers or {}).get("Allow", "")

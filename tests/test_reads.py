@@ -1,0 +1,176 @@
+"""The reads of contract §4: lists in both orders, cursors, filters, summaries, instances."""
+
+import base64
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.helpers import T1, T2, T3, post, problem, record
+
+STEPS = "/v1/instances/order-1/steps"
+
+
+def collect(client: httpx.Client, **params: Any) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        query = {**params, **({"cursor": cursor} if cursor else {})}
+        response = client.get(STEPS, params=query)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert len(body["items"]) <= params.get("limit", 100)
+        items.extend(body["items"])
+        cursor = body["next_cursor"]
+        if cursor is None:
+            return items
+
+
+@pytest.fixture
+def history(client: httpx.Client) -> None:
+    # ordinal order a, b, c, d, e; started order c, a, e; b and d never started
+    post(client, "declare", step="a")
+    post(client, "declare", step="b")
+    post(client, "start", {"started_at": T1}, step="c")
+    post(client, "declare", step="d")
+    post(client, "start", {"started_at": T3}, step="e")
+    post(client, "start", {"started_at": T2}, step="a")
+    post(client, "complete", {"output": {"big": "x" * 100}}, step="a")
+    post(client, "fail", {"error_code": "E", "error_message": "bad"}, step="e")
+
+
+@pytest.mark.usefixtures("history")
+@pytest.mark.parametrize("limit", [1, 2, 3, 100])
+def test_list_by_ordinal_pages_through_every_record_once(client: httpx.Client, limit: int) -> None:
+    items = collect(client, limit=limit)
+    assert [i["step_slug"] for i in items] == ["a", "b", "c", "d", "e"]
+    assert [i["ordinal"] for i in items] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.usefixtures("history")
+@pytest.mark.parametrize("limit", [1, 2, 3, 100])
+def test_list_by_started_at_puts_never_started_steps_last(
+    client: httpx.Client, limit: int
+) -> None:
+    items = collect(client, order="started_at", limit=limit)
+    assert [i["step_slug"] for i in items] == ["c", "a", "e", "b", "d"]
+
+
+def test_started_at_ties_are_broken_by_id(client: httpx.Client) -> None:
+    for slug in ("z", "y", "x"):
+        post(client, "start", {"started_at": T1}, step=slug)
+    items = collect(client, order="started_at", limit=1)
+    assert [i["step_slug"] for i in items] == ["z", "y", "x"]
+    assert [i["id"] for i in items] == sorted(i["id"] for i in items)
+
+
+@pytest.mark.usefixtures("history")
+def test_status_filter_takes_several_statuses(client: httpx.Client) -> None:
+    items = collect(client, status="running,failed", limit=1)
+    assert [(i["step_slug"], i["status"]) for i in items] == [("c", "running"), ("e", "failed")]
+    started = collect(client, order="started_at", status="pending", limit=1)
+    assert [i["step_slug"] for i in started] == ["b", "d"]
+
+
+@pytest.mark.usefixtures("history")
+def test_unknown_status_is_a_validation_error(client: httpx.Client) -> None:
+    problem(client.get(STEPS, params={"status": "running,done"}), 422, "validation_error")
+
+
+@pytest.mark.usefixtures("history")
+def test_summary_omits_output_and_error_message(client: httpx.Client) -> None:
+    items = client.get(STEPS, params={"fields": "summary"}).json()["items"]
+    assert all("output" not in i and "error_message" not in i for i in items)
+    one = client.get(f"{STEPS}/a", params={"fields": "summary"}).json()
+    assert "output" not in one
+    assert one["status"] == "completed"
+
+
+@pytest.mark.usefixtures("history")
+def test_outputs_are_not_truncated(client: httpx.Client) -> None:
+    assert record(client, step="a")["output"] == {"big": "x" * 100}
+
+
+@pytest.mark.usefixtures("history")
+@pytest.mark.parametrize("limit", [0, 1001, "x"])
+def test_limit_out_of_range_is_a_validation_error(client: httpx.Client, limit: Any) -> None:
+    problem(client.get(STEPS, params={"limit": limit}), 422, "validation_error")
+
+
+@pytest.mark.usefixtures("history")
+def test_cursor_from_the_other_order_is_refused(client: httpx.Client) -> None:
+    cursor = client.get(STEPS, params={"limit": 1}).json()["next_cursor"]
+    problem(client.get(STEPS, params={"order": "started_at", "cursor": cursor}), 422,
+            "validation_error")
+    other = client.get(STEPS, params={"limit": 1, "order": "started_at"}).json()["next_cursor"]
+    problem(client.get(STEPS, params={"cursor": other}), 422, "validation_error")
+
+
+@pytest.mark.usefixtures("history")
+@pytest.mark.parametrize(
+    "cursor",
+    ["garbage!", "", base64.urlsafe_b64encode(b'["o","x"]').decode(),
+     base64.urlsafe_b64encode(b'["s","not a time",1]').decode(),
+     base64.urlsafe_b64encode(b"{}").decode()],
+)
+def test_garbled_cursor_is_refused(client: httpx.Client, cursor: str) -> None:
+    for order in ("ordinal", "started_at"):
+        problem(client.get(STEPS, params={"cursor": cursor, "order": order}), 422,
+                "validation_error")
+
+
+def test_unknown_instance_is_not_found_on_every_read(client: httpx.Client) -> None:
+    problem(client.get(STEPS), 404, "instance_not_found")
+    problem(client.get(f"{STEPS}/a"), 404, "instance_not_found")
+    problem(client.get("/v1/instances/order-1"), 404, "instance_not_found")
+
+
+def test_unknown_step_is_not_found(client: httpx.Client) -> None:
+    post(client, "declare", step="a")
+    problem(client.get(f"{STEPS}/b"), 404, "step_not_found")
+
+
+def test_instance_with_no_matching_steps_lists_nothing(client: httpx.Client) -> None:
+    post(client, "declare", step="a")
+    body = client.get(STEPS, params={"status": "failed"}).json()
+    assert body == {"items": [], "next_cursor": None}
+
+
+@pytest.mark.usefixtures("history")
+def test_instance_summary_counts_steps_by_status(client: httpx.Client) -> None:
+    body = client.get("/v1/instances/order-1").json()
+    assert body["instance_key"] == "order-1"
+    assert body["created_at"].endswith("Z")
+    assert body["step_counts"] == {"pending": 2, "running": 1, "completed": 1, "failed": 1}
+
+
+def test_instances_are_listed_newest_first_across_pages(client: httpx.Client) -> None:
+    keys = [f"run-{i}" for i in range(7)]
+    for key in keys:
+        post(client, "declare", instance=key)
+    seen: list[str] = []
+    cursor = None
+    while True:
+        params: dict[str, Any] = {"limit": 3, **({"cursor": cursor} if cursor else {})}
+        body = client.get("/v1/instances", params=params).json()
+        seen.extend(i["instance_key"] for i in body["items"])
+        assert all({"id", "instance_key", "created_at"} <= i.keys() for i in body["items"])
+        cursor = body["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == list(reversed(keys))
+    problem(client.get("/v1/instances", params={"cursor": "bad"}), 422, "validation_error")
+
+
+def test_record_timestamps_are_utc_with_z(client: httpx.Client) -> None:
+    post(client, "start", {"started_at": "2026-12-02T12:00:00+02:00"})
+    body = record(client)
+    assert body["started_at"] == "2026-12-02T10:00:00Z"
+    assert body["created_at"].endswith("Z")
+
+
+def test_health_and_readiness(client: httpx.Client) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["status"] == "ready"
