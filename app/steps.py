@@ -170,7 +170,6 @@ ins AS (
            e.error_code, e.error_message, e.now, e.now
     FROM e, inst, new_ordinal n
     WHERE n.ordinal <= 2147483647
-    ON CONFLICT ON CONSTRAINT uq_workflow_step_record_instance_id_step_slug DO NOTHING
     RETURNING r.*
 )
 SELECT 'created' AS outcome, {RECORD.format(r="ins")} FROM ins
@@ -185,9 +184,11 @@ UNION ALL
 SELECT 'ordinal_taken', {NO_RECORD} FROM new_ordinal WHERE ordinal > 2147483647
 """
 
-# A statement that returns no row lost a race with a concurrent creator of the same instance
-# or step (its snapshot could not see the new row); the next try sees it.
+# A statement that returns no row, or collides on the step's unique key, lost a race with a
+# concurrent creator of the same instance or step: its snapshot could not see the new row.
+# The collision aborts the whole statement (so no ordinal is spent) and the next try sees it.
 MAX_TRIES = 5
+RACE_KEY = "uq_workflow_step_record_instance_id_step_slug"
 
 
 async def apply_event(conn: AsyncConn, event: Event) -> Result:
@@ -208,6 +209,8 @@ async def apply_event(conn: AsyncConn, event: Event) -> Result:
         try:
             cur = await conn.execute(APPLY_EVENT, params)
         except psycopg.errors.IntegrityError as exc:
+            if exc.diag.constraint_name == RACE_KEY:
+                continue
             raise _violation(exc) from exc
         row = await cur.fetchone()
         if row is None:

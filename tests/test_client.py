@@ -14,11 +14,10 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import httpx
 import pytest
-
 from steprecord_client import (
     AsyncRecorder,
     NoInstance,
@@ -28,7 +27,16 @@ from steprecord_client import (
     current_instance,
 )
 
-FAST = {"backoff": 0.01, "max_backoff": 0.05}
+
+class _Fast(TypedDict):
+    backoff: float
+    max_backoff: float
+
+
+FAST: _Fast = {"backoff": 0.01, "max_backoff": 0.05}
+
+
+LONG_AGO = "2000-01-01T00:00:00Z"
 
 
 @pytest.fixture
@@ -161,9 +169,7 @@ def first_time(method: str, suffix: str, action: str) -> Plan:
 # --------------------------------------------------------------------------- running steps
 
 
-def test_sync_step_runs_once_and_records_completed_output(
-    rec: Recorder, raw: httpx.Client
-) -> None:
+def test_sync_step_runs_once_and_records_completed_output(rec: Recorder, raw: httpx.Client) -> None:
     calls: list[int] = []
 
     @rec.step("charge")
@@ -200,7 +206,11 @@ def test_async_step_on_async_recorder_records_completed_output(
 
     assert asyncio.run(main()) == [0, 1, 2]
     record = must_get(raw, "order-2", "fetch")
-    assert (record["status"], record["attempt_count"], record["output"]) == ("completed", 1, [0, 1, 2])
+    assert (record["status"], record["attempt_count"], record["output"]) == (
+        "completed",
+        1,
+        [0, 1, 2],
+    )
 
 
 def test_async_def_on_sync_recorder_is_awaited_and_recorded(
@@ -290,7 +300,7 @@ def test_failing_async_step_records_fail_and_reraises_the_identical_exception(
 def test_error_code_and_message_are_made_acceptable_to_the_service(
     rec: Recorder, raw: httpx.Client
 ) -> None:
-    class _Odd_Errör(Exception):  # noqa: N801 - the odd name is the point
+    class _Odd_Errör(Exception):
         pass
 
     message = "nul\x00here " + "é" * 40000  # 80000+ bytes of UTF-8
@@ -303,7 +313,7 @@ def test_error_code_and_message_are_made_acceptable_to_the_service(
         odd()
 
     record = must_get(raw, "order-7", "odd")
-    assert record["error_code"] == "Odd-Err-r"
+    assert record["error_code"] == "Odd_Err-r"  # leading "_" stripped, "ö" replaced
     stored = record["error_message"]
     assert "\x00" not in stored
     assert stored.startswith("nul\ufffdhere é")
@@ -377,7 +387,7 @@ def test_completed_step_is_not_run_again_after_a_crash(server_url: str, raw: htt
 
     # The orchestrator "crashes" and a new process re-runs the instance from the top.
     with Recorder(server_url, **FAST) as second, second.instance("order-10"):
-        assert make(second)() == [1, 2]  # memoised: the recorded JSON
+        assert cast(object, make(second)()) == [1, 2]  # memoised: the recorded JSON
 
     assert calls == ["ran"]
     assert must_get(raw, "order-10", "expensive") == before
@@ -386,7 +396,7 @@ def test_completed_step_is_not_run_again_after_a_crash(server_url: str, raw: htt
 def test_step_left_running_by_a_crash_is_rerun_with_the_next_attempt(
     rec: Recorder, raw: httpx.Client
 ) -> None:
-    started = post(raw, "order-11", "ship", "start", attempt=1, started_at="2026-01-01T00:00:00Z")
+    started = post(raw, "order-11", "ship", "start", attempt=1, started_at=LONG_AGO)
     assert started.status_code == 201
 
     @rec.step("ship")
@@ -398,21 +408,21 @@ def test_step_left_running_by_a_crash_is_rerun_with_the_next_attempt(
 
     record = must_get(raw, "order-11", "ship")
     assert (record["status"], record["attempt_count"]) == ("completed", 2)
-    assert record["started_at"] > "2026-01-01T00:00:00Z"
+    assert record["started_at"] > LONG_AGO
 
 
 def test_failed_step_is_rerun_with_the_next_attempt_and_pending_one_keeps_its_attempt(
     rec: Recorder, raw: httpx.Client
 ) -> None:
-    post(raw, "order-12", "failed-one", "start", attempt=1, started_at="2026-01-01T00:00:00Z")
+    post(raw, "order-12", "failed-one", "start", attempt=1, started_at=LONG_AGO)
     failed = post(
         raw,
         "order-12",
         "failed-one",
         "fail",
         attempt=1,
-        started_at="2026-01-01T00:00:00Z",
-        completed_at="2026-01-01T00:00:01Z",
+        started_at=LONG_AGO,
+        completed_at="2000-01-01T00:00:01Z",
         error_code="Boom",
     )
     assert failed.status_code == 200
@@ -503,12 +513,11 @@ def test_each_call_runs_in_its_own_copy_of_the_context(rec: Recorder) -> None:
 def test_instance_blocks_nest_and_restore_with_and_async_with(server_url: str) -> None:
     async def main() -> list[str | None]:
         seen: list[str | None] = []
-        async with AsyncRecorder(server_url) as arec:
-            async with arec.instance("outer") as key:
-                seen.append(key)
-                with arec.instance("inner"):
-                    seen.append(current_instance())
+        async with AsyncRecorder(server_url) as arec, arec.instance("outer") as key:
+            seen.append(key)
+            with arec.instance("inner"):
                 seen.append(current_instance())
+            seen.append(current_instance())
         seen.append(current_instance())
         return seen
 
@@ -613,7 +622,7 @@ def test_same_attempt_already_started_by_another_worker_is_not_run_twice(
 ) -> None:
     def same_attempt_first(method: str, path: str) -> str:
         if method == "POST" and path.endswith("/start"):
-            other = post(raw, "order-16", "dup", "start", attempt=1, started_at="2026-01-01T00:00:00Z")
+            other = post(raw, "order-16", "dup", "start", attempt=1, started_at=LONG_AGO)
             assert other.status_code == 201
         return "forward"
 
@@ -630,7 +639,7 @@ def test_same_attempt_already_started_by_another_worker_is_not_run_twice(
 
     assert calls == []
     record = must_get(raw, "order-16", "dup")
-    assert (record["attempt_count"], record["started_at"]) == (1, "2026-01-01T00:00:00Z")
+    assert (record["attempt_count"], record["started_at"]) == (1, LONG_AGO)
 
 
 # --------------------------------------------------------------------------- transport
@@ -730,25 +739,48 @@ def test_unreachable_service_raises_the_transport_error_after_the_retries() -> N
             nowhere()
 
 
-def test_bearer_token_is_sent_and_a_refused_one_raises_step_record_error(
-    server_url: str,
-) -> None:
+def test_bearer_token_is_sent_in_the_authorization_header(server_url: str) -> None:
+    # The spy forwards without the header, so the service itself is not asked to check it.
     with proxy(server_url, lambda method, path: "forward") as spy:
         with Recorder(spy.url, token="s3cret", **FAST) as recorder:
             assert recorder.record("order-22", "any") is None
+        with Recorder(spy.url, **FAST) as anonymous:
+            assert anonymous.record("order-22", "any") is None
         assert spy.log[0][2]["authorization"] == "Bearer s3cret"
+        assert "authorization" not in spy.log[1][2]
 
-    # Straight to the service, a token that matches nothing is a 401 problem.
+
+def test_token_refused_by_the_service_raises_step_record_error_with_the_problem(
+    server_url: str,
+) -> None:
+    calls: list[int] = []
     with Recorder(server_url, token="matches-nothing", **FAST) as recorder:
 
         @recorder.step("locked")
         def locked() -> int:
+            calls.append(1)
             return 1
 
-        with recorder.instance("order-22"), pytest.raises(StepRecordError) as caught:
+        with recorder.instance("order-23"), pytest.raises(StepRecordError) as caught:
             locked()
+    assert calls == []
     assert (caught.value.status, caught.value.code) == (401, "unauthorized")
     assert caught.value.problem["status"] == 401
+
+
+def test_unknown_route_is_an_error_not_a_missing_record(server_url: str) -> None:
+    calls: list[int] = []
+    with Recorder(f"{server_url}/not-the-api", **FAST) as recorder:
+
+        @recorder.step("misrouted")
+        def misrouted() -> int:
+            calls.append(1)
+            return 1
+
+        with recorder.instance("order-24"), pytest.raises(StepRecordError) as caught:
+            misrouted()
+    assert calls == []
+    assert (caught.value.status, caught.value.code) == (404, "not_found")
 
 
 # --------------------------------------------------------------------------- outputs
@@ -774,7 +806,7 @@ def test_offload_stores_every_output_and_a_memoised_step_returns_the_url(
 
         with recorder.instance("order-23"):
             assert report() == {"rows": "many"}
-            assert report() == "mem://k1"  # memoised: the recorded URL
+            assert cast(object, report()) == "mem://k1"  # memoised: the recorded URL
 
     assert calls == [1]
     assert store == {"mem://k1": {"rows": "many"}}
@@ -856,7 +888,11 @@ def _run_steps_in_reverse_of_declaration(rec: Recorder, raw: httpx.Client, key: 
         assert post(raw, key, slug, "declare").status_code == 201
     with rec.instance(key):
         for slug in reversed(slugs):
-            rec.step(slug)(lambda slug=slug: slug)()
+
+            def run(slug: str = slug) -> str:
+                return slug
+
+            rec.step(slug)(run)()
 
 
 def test_steps_iterates_across_pages_in_both_orders(rec: Recorder, raw: httpx.Client) -> None:

@@ -1,0 +1,72 @@
+"""Racing requests through the real HTTP stack: the database serialises them."""
+
+import asyncio
+from typing import Any
+
+import httpx
+import psycopg
+
+from tests.helpers import T1, T2, step_path
+
+
+async def race(server_url: str, requests: list[tuple[str, Any]]) -> list[httpx.Response]:
+    limits = httpx.Limits(max_connections=len(requests))
+    async with httpx.AsyncClient(base_url=server_url, limits=limits, timeout=60) as client:
+        return await asyncio.gather(*(client.post(url, json=body) for url, body in requests))
+
+
+def test_concurrent_bare_starts_take_attempts_one_to_n_on_one_row(
+    server_url: str, database_url: str
+) -> None:
+    responses = asyncio.run(race(server_url, [(f"{step_path()}/start", None)] * 25))
+    assert sorted(r.status_code for r in responses) == [200] * 24 + [201]
+    assert sorted(r.json()["attempt_count"] for r in responses) == list(range(1, 26))
+    with psycopg.connect(database_url) as conn:
+        rows = conn.execute("SELECT attempt_count FROM workflow_step_record").fetchall()
+    assert rows == [(25,)]
+
+
+def test_concurrent_new_steps_get_distinct_ordinals(server_url: str) -> None:
+    requests = [(f"{step_path(step=f's{i}')}/start", None) for i in range(30)]
+    responses = asyncio.run(race(server_url, requests))
+    assert all(r.status_code == 201 for r in responses)
+    assert sorted(r.json()["ordinal"] for r in responses) == list(range(30))
+
+
+def test_concurrent_new_instances_are_each_created_once(
+    server_url: str, database_url: str
+) -> None:
+    requests = [(f"{step_path(instance=f'run-{i % 5}', step=f's{i}')}/declare", None)
+                for i in range(30)]
+    responses = asyncio.run(race(server_url, requests))
+    assert all(r.status_code == 201 for r in responses)
+    with psycopg.connect(database_url) as conn:
+        count = conn.execute("SELECT count(*) FROM process_instance").fetchone()
+    assert count == (5,)
+
+
+def test_concurrent_duplicate_events_create_one_record(
+    server_url: str, database_url: str
+) -> None:
+    body = {"attempt": 1, "started_at": T1, "completed_at": T2, "output": {"n": 1}}
+    responses = asyncio.run(race(server_url, [(f"{step_path()}/complete", body)] * 20))
+    codes = sorted(r.status_code for r in responses)
+    assert codes == [200] * 19 + [201]
+    assert len({r.json()["updated_at"] for r in responses}) == 1
+    with psycopg.connect(database_url) as conn:
+        rows = conn.execute("SELECT ordinal, status FROM workflow_step_record").fetchall()
+        next_ordinal = conn.execute("SELECT next_ordinal FROM process_instance").fetchone()
+    assert rows == [(0, "completed")]
+    assert next_ordinal == (1,)
+
+
+def test_racing_creators_of_one_step_do_not_skip_ordinals(
+    server_url: str, client: httpx.Client
+) -> None:
+    for round_ in range(3):
+        client.post(f"{step_path(step=f'first{round_}')}/declare")
+        body = {"attempt": 1, "started_at": T1}
+        asyncio.run(race(server_url, [(f"{step_path(step=f'b{round_}')}/start", body)] * 20))
+    client.post(f"{step_path(step='last')}/declare")
+    ordinals = [r["ordinal"] for r in client.get("/v1/instances/order-1/steps").json()["items"]]
+    assert ordinals == list(range(7))
