@@ -1,7 +1,8 @@
-"""The `steprecord` command: `serve` and `migrate`."""
+"""The `steprecord` command: `serve`, `migrate` and `openapi`."""
 
 import argparse
 import ipaddress
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -12,7 +13,12 @@ from alembic import command
 
 from app.config import Settings, redact
 from app.embedded import EmbeddedPostgres
-from app.main import alembic_config
+from app.main import alembic_config, create_app
+
+
+def openapi_json() -> str:
+    document = create_app().openapi()
+    return json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False)
 
 
 def migrate(database_url: str) -> None:
@@ -75,9 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("--port", type=int, default=8000)
     p_serve.add_argument("--workers", type=int, default=1)
     sub.add_parser("migrate", help="upgrade the database to the migration head")
+    sub.add_parser("openapi", help="print the OpenAPI document")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "openapi":
+        print(openapi_json())
+        return 0
     with database(Settings()) as url:
         migrate(url)
         print(f"database {redact(url)} is at the migration head", file=sys.stderr)

@@ -9,7 +9,13 @@ from starlette.responses import Response
 
 from app.db import DatabaseUnavailable
 from app.serialize import dumps
-from app.steps import ConstraintViolation, Contention, InstanceNotFound, StepNotFound
+from app.steps import (
+    ConstraintViolation,
+    Contention,
+    InstanceNotFound,
+    InvalidData,
+    StepNotFound,
+)
 
 PROBLEM_TYPE = "urn:steprecord:problem:"
 RETRY_AFTER_SECONDS = "1"
@@ -94,6 +100,8 @@ def to_problem(exc: Exception) -> Problem:
         return exc
     if isinstance(exc, ConstraintViolation):
         return from_violation(exc)
+    if isinstance(exc, InvalidData):
+        return validation_problem([{"field": "", "message": str(exc)}])
     if isinstance(exc, InstanceNotFound):
         return Problem(404, "instance_not_found", f"no instance {exc.args[0]!r}")
     if isinstance(exc, StepNotFound):
@@ -143,16 +151,19 @@ async def _handle_validation(request: Request, exc: Exception) -> Response:
     return validation_problem(errors).response()
 
 
+KNOWN = (
+    Problem,
+    ConstraintViolation,
+    InvalidData,
+    InstanceNotFound,
+    StepNotFound,
+    DatabaseUnavailable,
+    Contention,
+)
+
+
 def install(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _handle_http)
     app.add_exception_handler(RequestValidationError, _handle_validation)
-    for cls in (
-        Problem,
-        ConstraintViolation,
-        InstanceNotFound,
-        StepNotFound,
-        DatabaseUnavailable,
-        Contention,
-        Exception,
-    ):
+    for cls in (*KNOWN, Exception):
         app.add_exception_handler(cls, _handle_known)

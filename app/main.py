@@ -30,14 +30,13 @@ def schema_head() -> str:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
-    if settings.database_url is None:
-        raise RuntimeError("DATABASE_URL is not set (`steprecord serve` sets it for you)")
-    conninfo = settings.database_url.get_secret_value()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.database_url is None:
+            raise RuntimeError("DATABASE_URL is not set (`steprecord serve` sets it for you)")
         app.state.pool = Pool(
-            conninfo,
+            settings.database_url.get_secret_value(),
             size=settings.pool_size,
             timeout=settings.db_timeout,
             prepare_threshold=settings.prepare_threshold,

@@ -6,13 +6,14 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 import orjson
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 
 from app import schemas, steps
 from app.db import Pool
 from app.errors import Problem, validation_problem
-from app.events import BODIES, KINDS, check_names, parse_event
+from app.events import BODIES, KINDS, parse_event
+from app.models import NAME_PATTERN
 from app.serialize import BadJSON, UnacceptableJSON, dumps, loads, record_json
 
 MAX_BODY_BYTES = 2 * 1024 * 1024
@@ -24,6 +25,9 @@ REFUSALS = {
 }
 
 router = APIRouter()
+
+InstanceKey = Annotated[str, Path(pattern=NAME_PATTERN, max_length=200)]
+StepSlug = Annotated[str, Path(pattern=NAME_PATTERN, max_length=200)]
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -69,7 +73,7 @@ def result_response(result: steps.Result) -> Response:
 
 
 def _event_route(kind: steps.Kind) -> None:
-    async def handler(request: Request, instance_key: str, step_slug: str) -> Response:
+    async def handler(request: Request, instance_key: InstanceKey, step_slug: StepSlug) -> Response:
         event = parse_event(instance_key, step_slug, kind, await read_json(request, MAX_BODY_BYTES))
         async with _pool(request).connection() as conn:
             result = await steps.apply_event(conn, event)
@@ -156,7 +160,7 @@ def _statuses(status: str | None) -> list[str] | None:
 )
 async def list_steps(
     request: Request,
-    instance_key: str,
+    instance_key: InstanceKey,
     order: Literal["ordinal", "started_at"] = "ordinal",
     status: Annotated[
         str | None, Query(description="Comma-separated statuses, e.g. running,failed")
@@ -165,7 +169,6 @@ async def list_steps(
     cursor: str | None = None,
     fields: Literal["full", "summary"] = "full",
 ) -> Response:
-    check_names(instance_key=instance_key)
     statuses = _statuses(status)
     after: list[Any] | None = None
     if cursor is not None:
@@ -198,11 +201,10 @@ async def list_steps(
 )
 async def get_step(
     request: Request,
-    instance_key: str,
-    step_slug: str,
+    instance_key: InstanceKey,
+    step_slug: StepSlug,
     fields: Literal["full", "summary"] = "full",
 ) -> Response:
-    check_names(instance_key=instance_key, step_slug=step_slug)
     async with _pool(request).connection() as conn:
         record = await steps.get_step(conn, instance_key, step_slug)
     return _json(record_json(record, fields == "summary"))
@@ -214,8 +216,7 @@ async def get_step(
     summary="An instance with its step counts",
     responses=schemas.read_responses(schemas.Instance),
 )
-async def get_instance(request: Request, instance_key: str) -> Response:
-    check_names(instance_key=instance_key)
+async def get_instance(request: Request, instance_key: InstanceKey) -> Response:
     async with _pool(request).connection() as conn:
         return _json(await steps.get_instance(conn, instance_key))
 

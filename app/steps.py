@@ -51,6 +51,10 @@ class ConstraintViolation(Exception):
         self.unique = unique
 
 
+class InvalidData(Exception):
+    """The database could not take a value (out of range, untranslatable)."""
+
+
 class Contention(Exception):
     """An event kept racing with concurrent creators; it wrote nothing."""
 
@@ -120,7 +124,7 @@ dec AS (
         LATERAL (SELECT
             CASE WHEN e.k = 0 THEN cur.attempt_count
                  WHEN e.attempt IS NOT NULL THEN e.attempt
-                 WHEN e.k = 1 THEN cur.attempt_count + (cur.status <> 'pending')::int
+                 WHEN e.k = 1 THEN cur.attempt_count::bigint + (cur.status <> 'pending')::int
                  ELSE cur.attempt_count END AS a_e,
             CASE cur.status WHEN 'pending' THEN 0 WHEN 'running' THEN 1 ELSE 2 END AS rank
         ) p,
@@ -212,6 +216,8 @@ async def apply_event(conn: AsyncConn, event: Event) -> Result:
             if exc.diag.constraint_name == RACE_KEY:
                 continue
             raise _violation(exc) from exc
+        except psycopg.errors.DataError as exc:
+            raise InvalidData(exc.diag.message_primary or str(exc)) from exc
         row = await cur.fetchone()
         if row is None:
             continue

@@ -244,3 +244,9 @@ def test_replay_does_not_touch_updated_at(client: httpx.Client, database_url: st
     with psycopg.connect(database_url) as conn:
         after = conn.execute("SELECT xmin::text, updated_at FROM workflow_step_record").fetchone()
     assert before == after
+
+
+def test_bare_start_at_the_last_attempt_is_a_conflict(client: httpx.Client) -> None:
+    post(client, "start", {"attempt": 2147483647})
+    body = problem(post(client, "start"), 409, "conflict")
+    assert body["current"]["attempt_count"] == 2147483647
