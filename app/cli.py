@@ -4,6 +4,7 @@ import argparse
 import ipaddress
 import json
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,7 +50,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # uvicorn finishes in-flight requests, then re-raises SIGTERM here: leaving by exception
+    # lets the embedded PostgreSQL (if any) stop cleanly on the way out.
+    raise SystemExit(0)
+
+
 def serve(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     settings = Settings()
     with database(settings) as url:
         migrate(url)

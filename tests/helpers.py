@@ -16,7 +16,10 @@ def step_path(instance: str = "order-1", step: str = "charge") -> str:
 
 
 def post(
-    client: httpx.Client, kind: str, body: Any = None, instance: str = "order-1",
+    client: httpx.Client,
+    kind: str,
+    body: Any = None,
+    instance: str = "order-1",
     step: str = "charge",
 ) -> httpx.Response:
     url = f"{step_path(instance, step)}/{kind}"

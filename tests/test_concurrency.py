@@ -33,11 +33,10 @@ def test_concurrent_new_steps_get_distinct_ordinals(server_url: str) -> None:
     assert sorted(r.json()["ordinal"] for r in responses) == list(range(30))
 
 
-def test_concurrent_new_instances_are_each_created_once(
-    server_url: str, database_url: str
-) -> None:
-    requests = [(f"{step_path(instance=f'run-{i % 5}', step=f's{i}')}/declare", None)
-                for i in range(30)]
+def test_concurrent_new_instances_are_each_created_once(server_url: str, database_url: str) -> None:
+    requests = [
+        (f"{step_path(instance=f'run-{i % 5}', step=f's{i}')}/declare", None) for i in range(30)
+    ]
     responses = asyncio.run(race(server_url, requests))
     assert all(r.status_code == 201 for r in responses)
     with psycopg.connect(database_url) as conn:
@@ -45,9 +44,7 @@ def test_concurrent_new_instances_are_each_created_once(
     assert count == (5,)
 
 
-def test_concurrent_duplicate_events_create_one_record(
-    server_url: str, database_url: str
-) -> None:
+def test_concurrent_duplicate_events_create_one_record(server_url: str, database_url: str) -> None:
     body = {"attempt": 1, "started_at": T1, "completed_at": T2, "output": {"n": 1}}
     responses = asyncio.run(race(server_url, [(f"{step_path()}/complete", body)] * 20))
     codes = sorted(r.status_code for r in responses)

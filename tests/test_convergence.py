@@ -18,8 +18,17 @@ from hypothesis import strategies as st
 
 Event = tuple[str, dict[str, Any]]
 BASE = datetime(2026, 12, 2, 10, 0, tzinfo=UTC)
-COMPARED = ("status", "attempt_count", "ordinal", "output", "external_output_url", "started_at",
-            "completed_at", "error_code", "error_message")
+COMPARED = (
+    "status",
+    "attempt_count",
+    "ordinal",
+    "output",
+    "external_output_url",
+    "started_at",
+    "completed_at",
+    "error_code",
+    "error_message",
+)
 
 
 def ts(seconds: int) -> str:
@@ -36,17 +45,33 @@ def step_events(draw: st.DrawFn) -> list[Event]:
         if draw(st.booleans()):
             events.append(("start", {"attempt": attempt, "started_at": ts(started)}))
         terminal = draw(st.sampled_from(["none", "complete", "complete_url", "fail"]))
-        finished = {"attempt": attempt, "started_at": ts(started),
-                    "completed_at": ts(started + draw(st.integers(0, 50)))}
+        finished = {
+            "attempt": attempt,
+            "started_at": ts(started),
+            "completed_at": ts(started + draw(st.integers(0, 50))),
+        }
         if terminal == "complete":
-            output = draw(st.one_of(st.none(), st.integers(), st.dictionaries(
-                st.sampled_from("abc"), st.integers(0, 3), max_size=3)))
+            output = draw(
+                st.one_of(
+                    st.none(),
+                    st.integers(),
+                    st.dictionaries(st.sampled_from("abc"), st.integers(0, 3), max_size=3),
+                )
+            )
             events.append(("complete", {**finished, "output": output}))
         elif terminal == "complete_url":
             events.append(("complete", {**finished, "external_output_url": f"s3://b/{attempt}"}))
         elif terminal == "fail":
-            events.append(("fail", {**finished, "error_code": "Boom",
-                                    "error_message": draw(st.sampled_from([None, "x", "y"]))}))
+            events.append(
+                (
+                    "fail",
+                    {
+                        **finished,
+                        "error_code": "Boom",
+                        "error_message": draw(st.sampled_from([None, "x", "y"])),
+                    },
+                )
+            )
     if not events:
         events.append(("start", {"attempt": 1, "started_at": ts(1)}))
     duplicates = draw(st.lists(st.sampled_from(events), max_size=3))
@@ -75,8 +100,10 @@ def final(client: httpx.Client, key: str) -> dict[str, Any]:
 async def apply_concurrently(base_url: str, key: str, events: list[Event]) -> None:
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
         responses = await asyncio.gather(
-            *(client.post(f"/v1/instances/{key}/steps/s/{kind}", json=body)
-              for kind, body in events)
+            *(
+                client.post(f"/v1/instances/{key}/steps/s/{kind}", json=body)
+                for kind, body in events
+            )
         )
     for (kind, body), response in zip(events, responses, strict=True):
         assert acceptable(response), (kind, body, response.text)
@@ -88,8 +115,9 @@ def shared_client(server_url: str) -> Any:
         yield client
 
 
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data(), events=step_events())
 def test_every_order_and_interleaving_ends_in_the_same_record(
     shared_client: httpx.Client, server_url: str, data: st.DataObject, events: list[Event]

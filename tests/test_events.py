@@ -63,7 +63,10 @@ def test_complete_with_started_at_creates_the_record(client: httpx.Client) -> No
     assert response.status_code == 201
     body = response.json()
     assert (body["status"], body["attempt_count"], body["started_at"], body["completed_at"]) == (
-        "completed", 1, T1, T2,
+        "completed",
+        1,
+        T1,
+        T2,
     )
 
 
@@ -76,9 +79,7 @@ def test_missing_completed_at_is_never_before_started_at(client: httpx.Client) -
 def test_replayed_completion_is_unchanged(client: httpx.Client) -> None:
     post(client, "start", {"attempt": 1, "started_at": T1})
     first = post(client, "complete", {"attempt": 1, "completed_at": T2, "output": {"a": 1, "b": 2}})
-    again = post(
-        client, "complete", {"attempt": 1, "completed_at": T3, "output": {"b": 2, "a": 1}}
-    )
+    again = post(client, "complete", {"attempt": 1, "completed_at": T3, "output": {"b": 2, "a": 1}})
     assert again.status_code == 200
     assert again.json() == first.json()  # updated_at and completed_at untouched
 
@@ -95,8 +96,12 @@ def test_different_content_for_the_same_attempt_is_a_conflict(client: httpx.Clie
 def test_fail_replay_compares_code_and_message(client: httpx.Client) -> None:
     post(client, "start", {"attempt": 1, "started_at": T1})
     post(client, "fail", {"attempt": 1, "error_code": "Timeout", "error_message": "slow"})
-    assert post(client, "fail", {"attempt": 1, "error_code": "Timeout",
-                                 "error_message": "slow"}).status_code == 200
+    assert (
+        post(
+            client, "fail", {"attempt": 1, "error_code": "Timeout", "error_message": "slow"}
+        ).status_code
+        == 200
+    )
     problem(post(client, "fail", {"attempt": 1, "error_code": "Timeout"}), 409, "conflict")
 
 
@@ -137,7 +142,9 @@ def test_start_after_declare_keeps_the_first_attempt(client: httpx.Client) -> No
 
 def test_higher_attempt_starts_afresh(client: httpx.Client) -> None:
     post(client, "start", {"attempt": 1, "started_at": T1})
-    post(client, "fail", {"attempt": 1, "completed_at": T2, "error_code": "E", "error_message": "x"})
+    post(
+        client, "fail", {"attempt": 1, "completed_at": T2, "error_code": "E", "error_message": "x"}
+    )
     body = post(client, "start", {"attempt": 2, "started_at": T3}).json()
     assert body["status"] == "running"
     assert body["attempt_count"] == 2
@@ -154,8 +161,11 @@ def test_higher_attempt_terminal_needs_its_own_start(client: httpx.Client) -> No
 
 
 def test_terminal_before_its_start_converges(client: httpx.Client) -> None:
-    done = post(client, "complete", {"attempt": 1, "started_at": T1, "completed_at": T2,
-                                     "output": {"ok": True}})
+    done = post(
+        client,
+        "complete",
+        {"attempt": 1, "started_at": T1, "completed_at": T2, "output": {"ok": True}},
+    )
     late = post(client, "start", {"attempt": 1, "started_at": T1})
     assert late.status_code == 200
     assert late.json() == done.json()
@@ -230,8 +240,9 @@ def test_timing_against_the_recorded_start_is_refused_by_the_database(
     client: httpx.Client,
 ) -> None:
     post(client, "start", {"attempt": 1, "started_at": T2})
-    body = problem(post(client, "complete", {"attempt": 1, "completed_at": T1}), 422,
-                   "invalid_timing")
+    body = problem(
+        post(client, "complete", {"attempt": 1, "completed_at": T1}), 422, "invalid_timing"
+    )
     assert "ck_workflow_step_record_timing" in body["detail"]
     assert record(client)["status"] == "running"
 

@@ -49,9 +49,7 @@ def test_list_by_ordinal_pages_through_every_record_once(client: httpx.Client, l
 
 @pytest.mark.usefixtures("history")
 @pytest.mark.parametrize("limit", [1, 2, 3, 100])
-def test_list_by_started_at_puts_never_started_steps_last(
-    client: httpx.Client, limit: int
-) -> None:
+def test_list_by_started_at_puts_never_started_steps_last(client: httpx.Client, limit: int) -> None:
     items = collect(client, order="started_at", limit=limit)
     assert [i["step_slug"] for i in items] == ["c", "a", "e", "b", "d"]
 
@@ -100,8 +98,9 @@ def test_limit_out_of_range_is_a_validation_error(client: httpx.Client, limit: A
 @pytest.mark.usefixtures("history")
 def test_cursor_from_the_other_order_is_refused(client: httpx.Client) -> None:
     cursor = client.get(STEPS, params={"limit": 1}).json()["next_cursor"]
-    problem(client.get(STEPS, params={"order": "started_at", "cursor": cursor}), 422,
-            "validation_error")
+    problem(
+        client.get(STEPS, params={"order": "started_at", "cursor": cursor}), 422, "validation_error"
+    )
     other = client.get(STEPS, params={"limit": 1, "order": "started_at"}).json()["next_cursor"]
     problem(client.get(STEPS, params={"cursor": other}), 422, "validation_error")
 
@@ -109,14 +108,19 @@ def test_cursor_from_the_other_order_is_refused(client: httpx.Client) -> None:
 @pytest.mark.usefixtures("history")
 @pytest.mark.parametrize(
     "cursor",
-    ["garbage!", "", base64.urlsafe_b64encode(b'["o","x"]').decode(),
-     base64.urlsafe_b64encode(b'["s","not a time",1]').decode(),
-     base64.urlsafe_b64encode(b"{}").decode()],
+    [
+        "garbage!",
+        "",
+        base64.urlsafe_b64encode(b'["o","x"]').decode(),
+        base64.urlsafe_b64encode(b'["s","not a time",1]').decode(),
+        base64.urlsafe_b64encode(b"{}").decode(),
+    ],
 )
 def test_garbled_cursor_is_refused(client: httpx.Client, cursor: str) -> None:
     for order in ("ordinal", "started_at"):
-        problem(client.get(STEPS, params={"cursor": cursor, "order": order}), 422,
-                "validation_error")
+        problem(
+            client.get(STEPS, params={"cursor": cursor, "order": order}), 422, "validation_error"
+        )
 
 
 def test_unknown_instance_is_not_found_on_every_read(client: httpx.Client) -> None:

@@ -1,6 +1,5 @@
 """What the database itself refuses (raw SQL), the migrations, and the indexed reads."""
 
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -22,13 +21,26 @@ T1, T2 = "2026-12-02T10:00:01Z", "2026-12-02T10:00:02Z"
 VALID: dict[str, dict[str, Any]] = {
     "pending": {},
     "running": {"started_at": T1},
-    "completed_inline": {"status": "completed", "started_at": T1, "completed_at": T2,
-                         "output": '{"a": 1}'},
-    "completed_external": {"status": "completed", "started_at": T1, "completed_at": T2,
-                           "external_output_url": "s3://b/k"},
+    "completed_inline": {
+        "status": "completed",
+        "started_at": T1,
+        "completed_at": T2,
+        "output": '{"a": 1}',
+    },
+    "completed_external": {
+        "status": "completed",
+        "started_at": T1,
+        "completed_at": T2,
+        "external_output_url": "s3://b/k",
+    },
     "completed_empty": {"status": "completed", "started_at": T1, "completed_at": T2},
-    "failed": {"status": "failed", "started_at": T1, "completed_at": T2, "error_code": "Boom",
-               "error_message": "it broke"},
+    "failed": {
+        "status": "failed",
+        "started_at": T1,
+        "completed_at": T2,
+        "error_code": "Boom",
+        "error_message": "it broke",
+    },
 }
 BASE: dict[str, dict[str, Any]] = {
     "pending": {"status": "pending"},
@@ -51,8 +63,13 @@ _counter = iter(range(10**9))
 
 
 def insert(db: Conn, instance_id: int, **fields: Any) -> int:
-    values = {"step_slug": f"s{next(_counter)}", "ordinal": next(_counter),
-              "status": "pending", "attempt_count": 1, **fields}
+    values = {
+        "step_slug": f"s{next(_counter)}",
+        "ordinal": next(_counter),
+        "status": "pending",
+        "attempt_count": 1,
+        **fields,
+    }
     columns = ", ".join(["instance_id", *values])
     marks = ", ".join(["%s"] * (len(values) + 1))
     row = db.execute(
@@ -106,10 +123,16 @@ FORBIDDEN: list[tuple[str, str, dict[str, Any]]] = [
     ("step_slug_format", "pending", {"step_slug": "x" * 201}),
     ("error_code_format", "failed", {"error_code": "no spaces"}),
     ("error_message_size", "failed", {"error_message": "é" * 32769}),
-    ("external_output_url_format", "completed",
-     {"output": None, "external_output_url": "no-scheme"}),
-    ("external_output_url_format", "completed",
-     {"output": None, "external_output_url": "s3://" + "k" * 2044}),
+    (
+        "external_output_url_format",
+        "completed",
+        {"output": None, "external_output_url": "no-scheme"},
+    ),
+    (
+        "external_output_url_format",
+        "completed",
+        {"output": None, "external_output_url": "s3://" + "k" * 2044},
+    ),
     ("output_size", "completed", {"output": '"' + "x" * 1048575 + '"'}),
     ("ordinal_range", "pending", {"ordinal": -1}),
 ]
@@ -122,30 +145,47 @@ def test_forbidden_records_are_refused_by_their_named_constraint(
     values = {"step_slug": "s", "ordinal": 0, "attempt_count": 1, **BASE[status], **change}
     columns = ", ".join(["instance_id", *values])
     marks = ", ".join(["%s"] * (len(values) + 1))
-    refused(db, f"ck_workflow_step_record_{constraint}",
-            f"INSERT INTO workflow_step_record ({columns}) VALUES ({marks})",
-            [instance_id, *values.values()])
+    refused(
+        db,
+        f"ck_workflow_step_record_{constraint}",
+        f"INSERT INTO workflow_step_record ({columns}) VALUES ({marks})",
+        [instance_id, *values.values()],
+    )
 
 
 def test_boundary_sizes_are_accepted(db: Conn, instance_id: int) -> None:
-    insert(db, instance_id, **{**VALID["failed"], "error_message": "é" * 32768,
-                               "error_code": "E" * 200})
+    insert(
+        db,
+        instance_id,
+        **{**VALID["failed"], "error_message": "é" * 32768, "error_code": "E" * 200},
+    )
     insert(db, instance_id, **{**VALID["completed_inline"], "output": '"' + "x" * 1048574 + '"'})
-    insert(db, instance_id, **{**VALID["completed_external"],
-                               "external_output_url": "s3://" + "k" * 2043})
+    insert(
+        db,
+        instance_id,
+        **{**VALID["completed_external"], "external_output_url": "s3://" + "k" * 2043},
+    )
 
 
 def test_unique_keys_and_owner_are_enforced(db: Conn, instance_id: int) -> None:
     insert(db, instance_id, step_slug="a", ordinal=1)
-    sql = ("INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status,"
-           " attempt_count) VALUES (%s, %s, %s, 'pending', 1)")
+    sql = (
+        "INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status,"
+        " attempt_count) VALUES (%s, %s, %s, 'pending', 1)"
+    )
     refused(db, "uq_workflow_step_record_instance_id_step_slug", sql, (instance_id, "a", 2))
     refused(db, "uq_workflow_step_record_instance_id_ordinal", sql, (instance_id, "b", 1))
     refused(db, "fk_workflow_step_record_instance_id_process_instance", sql, (-1, "c", 3))
-    refused(db, "ck_process_instance_instance_key_format",
-            "INSERT INTO process_instance (instance_key) VALUES ('no/slash')")
-    refused(db, "uq_process_instance_instance_key",
-            "INSERT INTO process_instance (instance_key) VALUES ('run-1')")
+    refused(
+        db,
+        "ck_process_instance_instance_key_format",
+        "INSERT INTO process_instance (instance_key) VALUES ('no/slash')",
+    )
+    refused(
+        db,
+        "uq_process_instance_instance_key",
+        "INSERT INTO process_instance (instance_key) VALUES ('run-1')",
+    )
 
 
 TRANSITIONS_REFUSED: list[tuple[str, dict[str, Any], str]] = [
@@ -155,8 +195,11 @@ TRANSITIONS_REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("completed", {"started_at": "2026-12-02T10:00:00Z"}, "finished start changed"),
     ("completed", {"output": None, "external_output_url": "s3://b/k"}, "finished output moved"),
     ("failed", {"error_message": "other"}, "finished error changed"),
-    ("failed", {"status": "completed", "error_code": None, "error_message": None},
-     "finished status changed"),
+    (
+        "failed",
+        {"status": "completed", "error_code": None, "error_message": None},
+        "finished status changed",
+    ),
     ("running", {"status": "pending", "started_at": None}, "running back to pending"),
     ("running", {"attempt_count": 0 + 1, "started_at": T2}, "same position is fine"),
     ("pending", {"step_slug": "renamed"}, "slug changed"),
@@ -165,22 +208,30 @@ TRANSITIONS_REFUSED: list[tuple[str, dict[str, Any], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("status", "change", "why"),
-                         [t for t in TRANSITIONS_REFUSED if t[2] != "same position is fine"])
+@pytest.mark.parametrize(
+    ("status", "change", "why"), [t for t in TRANSITIONS_REFUSED if t[2] != "same position is fine"]
+)
 def test_forbidden_transitions_are_refused_by_the_trigger(
     db: Conn, instance_id: int, status: str, change: dict[str, Any], why: str
 ) -> None:
     record_id = insert(db, instance_id, **BASE[status])
     sets = ", ".join(f"{column} = %s" for column in change)
-    refused(db, "tr_workflow_step_record_transition",
-            f"UPDATE workflow_step_record SET {sets} WHERE id = %s",
-            [*change.values(), record_id])
+    refused(
+        db,
+        "tr_workflow_step_record_transition",
+        f"UPDATE workflow_step_record SET {sets} WHERE id = %s",
+        [*change.values(), record_id],
+    )
 
 
 def test_attempt_count_never_decreases(db: Conn, instance_id: int) -> None:
     record_id = insert(db, instance_id, **{**BASE["running"], "attempt_count": 2})
-    refused(db, "tr_workflow_step_record_transition",
-            "UPDATE workflow_step_record SET attempt_count = 1 WHERE id = %s", (record_id,))
+    refused(
+        db,
+        "tr_workflow_step_record_transition",
+        "UPDATE workflow_step_record SET attempt_count = 1 WHERE id = %s",
+        (record_id,),
+    )
 
 
 def test_owner_never_changes(db: Conn, instance_id: int) -> None:
@@ -188,9 +239,12 @@ def test_owner_never_changes(db: Conn, instance_id: int) -> None:
     other_id = other.fetchone()
     assert other_id is not None
     record_id = insert(db, instance_id)
-    refused(db, "tr_workflow_step_record_transition",
-            "UPDATE workflow_step_record SET instance_id = %s WHERE id = %s",
-            (other_id[0], record_id))
+    refused(
+        db,
+        "tr_workflow_step_record_transition",
+        "UPDATE workflow_step_record SET instance_id = %s WHERE id = %s",
+        (other_id[0], record_id),
+    )
 
 
 def test_allowed_transitions_pass_the_trigger(db: Conn, instance_id: int) -> None:
@@ -198,13 +252,19 @@ def test_allowed_transitions_pass_the_trigger(db: Conn, instance_id: int) -> Non
     for change in (
         BASE["running"],
         {**BASE["completed"]},
-        {"status": "running", "attempt_count": 2, "started_at": T2, "completed_at": None,
-         "output": None},
+        {
+            "status": "running",
+            "attempt_count": 2,
+            "started_at": T2,
+            "completed_at": None,
+            "output": None,
+        },
         {"status": "failed", "completed_at": "2026-12-02T10:00:09Z", "error_code": "E"},
     ):
         sets = ", ".join(f"{column} = %s" for column in change)
-        db.execute(f"UPDATE workflow_step_record SET {sets} WHERE id = %s",
-                   [*change.values(), record_id])
+        db.execute(
+            f"UPDATE workflow_step_record SET {sets} WHERE id = %s", [*change.values(), record_id]
+        )
     row = db.execute("SELECT status, attempt_count FROM workflow_step_record").fetchone()
     assert row == ("failed", 2)
 
@@ -267,7 +327,7 @@ def test_migrations_upgrade_downgrade_and_upgrade_again(scratch_database: str) -
 
 
 @pytest.fixture
-def big_table(db: Conn) -> Iterator[Conn]:
+def big_table(db: Conn) -> Conn:
     """10^5 records over 100 instances of 1,000 steps (rolled back after the test)."""
     db.execute("""
         INSERT INTO process_instance (instance_key)
@@ -283,7 +343,7 @@ def big_table(db: Conn) -> Iterator[Conn]:
     """)
     db.execute("ANALYZE process_instance")
     db.execute("ANALYZE workflow_step_record")
-    yield db
+    return db
 
 
 def plan(db: Conn, sql: str, params: dict[str, Any]) -> str:

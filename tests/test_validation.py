@@ -21,8 +21,11 @@ def nothing_written(client: httpx.Client, database_url: str) -> Any:
 
 
 def raw(client: httpx.Client, kind: str, content: bytes, path: str | None = None) -> httpx.Response:
-    return client.post(path or f"{step_path()}/{kind}", content=content,
-                       headers={"content-type": "application/json"})
+    return client.post(
+        path or f"{step_path()}/{kind}",
+        content=content,
+        headers={"content-type": "application/json"},
+    )
 
 
 BAD_BODIES: list[tuple[str, Any, str]] = [
@@ -82,7 +85,9 @@ def test_json_the_database_cannot_hold_is_a_validation_error(
 
 @pytest.mark.usefixtures("nothing_written")
 def test_nul_in_error_message_is_a_validation_error(client: httpx.Client) -> None:
-    content = b'{"error_code": "E", "error_message": "x\\u0000", "started_at": "2026-12-02T10:00:01Z"}'
+    content = (
+        b'{"error_code": "E", "error_message": "x\\u0000", "started_at": "2026-12-02T10:00:01Z"}'
+    )
     problem(raw(client, "fail", content), 422, "validation_error")
 
 
@@ -107,8 +112,7 @@ def test_both_outputs_are_an_output_conflict(client: httpx.Client) -> None:
 
 @pytest.mark.usefixtures("nothing_written")
 def test_start_after_completion_in_the_body_is_invalid_timing(client: httpx.Client) -> None:
-    problem(post(client, "complete", {"started_at": T2, "completed_at": T1}), 422,
-            "invalid_timing")
+    problem(post(client, "complete", {"started_at": T2, "completed_at": T1}), 422, "invalid_timing")
 
 
 @pytest.mark.usefixtures("nothing_written")
@@ -170,7 +174,10 @@ def test_wrong_method_is_method_not_allowed(client: httpx.Client) -> None:
 
 
 def test_empty_body_and_form_content_type_work_for_curl(client: httpx.Client) -> None:
-    response = client.post(f"{step_path()}/start", content=b"",
-                           headers={"content-type": "application/x-www-form-urlencoded"})
+    response = client.post(
+        f"{step_path()}/start",
+        content=b"",
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
     assert response.status_code == 201
     assert post(client, "declare", step="other").status_code == 201

@@ -1,0 +1,169 @@
+"""The command and the service's life: embedded default, restarts, outages, readiness."""
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+
+from app.cli import migrate
+from app.embedded import EmbeddedPostgres
+from tests.conftest import ROOT, free_port, start_server, stop, wait_ready
+
+
+def serve_embedded(data_dir: Path, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    env["STEPRECORD_DATA_DIR"] = str(data_dir)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), *extra],
+        env=env,
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, timeout=60)
+    except BaseException:
+        stop(proc)
+        raise
+    return url, proc
+
+
+def test_serve_without_database_url_runs_embedded_and_keeps_records(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    url, proc = serve_embedded(data_dir)
+    try:
+        created = httpx.post(f"{url}/v1/instances/run-1/steps/a/start", json={"attempt": 1})
+        assert created.status_code == 201
+    finally:
+        stop(proc)
+    assert proc.returncode == 0
+    assert proc.stderr is not None
+    banner = proc.stderr.read().decode()
+    assert "embedded PostgreSQL" in banner
+    assert "listening on http://127.0.0.1:" in banner
+    assert not EmbeddedPostgres(data_dir).running(), "the embedded server outlived serve"
+    url, proc = serve_embedded(data_dir)
+    try:
+        again = httpx.get(f"{url}/v1/instances/run-1/steps/a")
+        assert again.status_code == 200
+        assert again.json()["attempt_count"] == 1
+    finally:
+        stop(proc)
+
+
+def test_banner_hides_the_database_password(database_url: str) -> None:
+    info = psycopg.conninfo.conninfo_to_dict(database_url)
+    host = str(info.get("host", "127.0.0.1"))
+    port = info.get("port", 5432)
+    secret_url = f"postgresql://postgres:s3cret@/{info['dbname']}?host={host}&port={port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--port", str(free_port())],
+        env={**os.environ, "DATABASE_URL": secret_url},
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline().decode()
+        while "listening" not in line and line:
+            line = proc.stderr.readline().decode()
+    finally:
+        stop(proc)
+    assert "postgres:***@" in line
+    assert "s3cret" not in line
+
+
+def test_migrate_command_brings_a_database_to_head(scratch_database: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "migrate"],
+        env={**os.environ, "DATABASE_URL": scratch_database},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    with psycopg.connect(scratch_database) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchone() == ("0001",)
+
+
+def test_readyz_is_503_until_the_schema_is_at_head(scratch_database: str) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "app.main:create_app",
+            "--factory",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        env={**os.environ, "DATABASE_URL": scratch_database},
+        cwd=ROOT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                health = httpx.get(f"{url}/healthz")
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert health.status_code == 200
+        ready = httpx.get(f"{url}/readyz")
+        assert ready.status_code == 503
+        assert ready.json()["code"] == "unavailable"
+        migrate(scratch_database)
+        assert httpx.get(f"{url}/readyz").status_code == 200
+    finally:
+        stop(proc)
+
+
+@pytest.fixture
+def own_postgres(tmp_path: Path) -> Iterator[EmbeddedPostgres]:
+    embedded = EmbeddedPostgres(tmp_path / "pg")
+    embedded.start()
+    try:
+        yield embedded
+    finally:
+        embedded.stop()
+
+
+def test_outage_answers_503_fast_and_recovers_by_itself(own_postgres: EmbeddedPostgres) -> None:
+    migrate(own_postgres.url)
+    url, proc = start_server(own_postgres.url)
+    try:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            assert client.post("/v1/instances/r/steps/a/start").status_code == 201
+            own_postgres.stop()
+            for _ in range(3):
+                began = time.monotonic()
+                down = client.post("/v1/instances/r/steps/b/start")
+                assert time.monotonic() - began < 2
+                assert down.status_code == 503
+                assert down.json()["code"] == "unavailable"
+                assert down.headers["retry-after"]
+            assert client.get("/readyz").status_code == 503
+            assert client.get("/healthz").status_code == 200
+            own_postgres.start()
+            back = time.monotonic()
+            while client.post("/v1/instances/r/steps/c/start").status_code != 201:
+                assert time.monotonic() - back < 1, "no recovery within a second"
+                time.sleep(0.02)
+            assert client.get("/readyz").status_code == 200
+            steps = client.get("/v1/instances/r/steps").json()["items"]
+            assert [s["step_slug"] for s in steps] == ["a", "c"]
+    finally:
+        stop(proc)
