@@ -129,3 +129,38 @@ def parse_event(instance_key: str, step_slug: str, kind: Kind, body: Any) -> Eve
         output=None if output is None else dumps_value(output),
         **fields,
     )
+
+
+MAX_BATCH_EVENTS = 1000
+
+
+def parse_envelope(payload: Any) -> list[Any]:
+    """The list of raw events of a batch; a malformed envelope refuses the whole request."""
+    if not isinstance(payload, dict) or set(payload) != {"events"}:
+        raise validation_problem([{"field": "", "message": 'the body must be {"events": [...]}'}])
+    items = payload["events"]
+    if not isinstance(items, list) or not 1 <= len(items) <= MAX_BATCH_EVENTS:
+        raise validation_problem(
+            [{"field": "events", "message": f"must be a list of 1 to {MAX_BATCH_EVENTS} events"}]
+        )
+    return items
+
+
+def parse_batch_event(item: Any) -> Event:
+    """One event of a batch: its endpoint's body plus `instance_key`, `step_slug`, `kind`."""
+    if not isinstance(item, dict):
+        raise validation_problem([{"field": "", "message": "an event must be a JSON object"}])
+    body = dict(item)
+    kind = body.pop("kind", None)
+    instance_key = body.pop("instance_key", None)
+    step_slug = body.pop("step_slug", None)
+    errors = [
+        {"field": field, "message": "required, a string"}
+        for field, value in (("instance_key", instance_key), ("step_slug", step_slug))
+        if not isinstance(value, str)
+    ]
+    if kind not in KINDS:
+        errors.append({"field": "kind", "message": f"one of {', '.join(KINDS)}"})
+    if errors:
+        raise validation_problem(errors)
+    return parse_event(instance_key, step_slug, kind, body)

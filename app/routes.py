@@ -11,12 +11,13 @@ from fastapi.responses import Response
 
 from app import schemas, steps
 from app.db import Pool
-from app.errors import Problem, validation_problem
-from app.events import BODIES, KINDS, parse_event
+from app.errors import Problem, to_problem, validation_problem
+from app.events import BODIES, KINDS, parse_batch_event, parse_envelope, parse_event
 from app.models import NAME_PATTERN
 from app.serialize import BadJSON, UnacceptableJSON, dumps, loads, record_json
 
 MAX_BODY_BYTES = 2 * 1024 * 1024
+MAX_BATCH_BYTES = 16 * 1024 * 1024
 REFUSALS = {
     "conflict": (409, "the event conflicts with what is recorded for this attempt"),
     "stale_attempt": (409, "a newer attempt has superseded this one"),
@@ -62,14 +63,14 @@ async def read_json(request: Request, limit: int) -> Any:
         raise validation_problem([{"field": "", "message": str(exc)}]) from None
 
 
-def result_response(result: steps.Result) -> Response:
-    """201 for a record the event created, 200 for any other success, a 409 problem otherwise."""
+def judged(result: steps.Result) -> tuple[int, dict[str, Any]]:
+    """201 and the record it created, 200 and the record otherwise; a 409 refusal is raised."""
     if result.outcome in REFUSALS:
         status, detail = REFUSALS[result.outcome]
         current = None if result.record is None else record_json(result.record)
         raise Problem(status, result.outcome, detail, current=current)
     assert result.record is not None
-    return _json(record_json(result.record), 201 if result.outcome == "created" else 200)
+    return (201 if result.outcome == "created" else 200), record_json(result.record)
 
 
 def _event_route(kind: steps.Kind) -> None:
@@ -77,7 +78,8 @@ def _event_route(kind: steps.Kind) -> None:
         event = parse_event(instance_key, step_slug, kind, await read_json(request, MAX_BODY_BYTES))
         async with _pool(request).connection() as conn:
             result = await steps.apply_event(conn, event)
-        return result_response(result)
+        status, record = judged(result)
+        return _json(record, status)
 
     router.add_api_route(
         f"/v1/instances/{{instance_key}}/steps/{{step_slug}}/{kind}",
@@ -93,6 +95,39 @@ def _event_route(kind: steps.Kind) -> None:
 
 for _kind in KINDS:
     _event_route(_kind)
+
+
+def _batch_result(outcome: steps.Result | Exception) -> dict[str, Any]:
+    try:
+        if isinstance(outcome, Exception):
+            raise outcome
+        status, record = judged(outcome)
+    except Exception as exc:
+        problem = to_problem(exc)
+        return {"status": problem.status, "problem": problem.body()}
+    return {"status": status, "record": record}
+
+
+@router.post(
+    "/v1/events",
+    tags=["events"],
+    summary="Report many events at once",
+    responses=schemas.batch_responses(),
+    openapi_extra=schemas.batch_request_body(),
+)
+async def post_events(request: Request) -> Response:
+    items = parse_envelope(await read_json(request, MAX_BATCH_BYTES))
+    parsed: list[steps.Event | Exception] = []
+    for item in items:
+        try:
+            parsed.append(parse_batch_event(item))
+        except Problem as problem:
+            parsed.append(problem)
+    valid = [event for event in parsed if isinstance(event, steps.Event)]
+    async with _pool(request).connection() as conn:
+        applied = iter(await steps.apply_events(conn, valid))
+    outcomes = [next(applied) if isinstance(p, steps.Event) else p for p in parsed]
+    return _json({"results": [_batch_result(outcome) for outcome in outcomes]})
 
 
 # --- reads -----------------------------------------------------------------------------

@@ -116,3 +116,47 @@ def request_body(model: type[BaseModel], *, required: bool) -> dict[str, Any]:
             "content": {"application/json": {"schema": schema}},
         }
     }
+
+
+class BatchResult(BaseModel):
+    status: int
+    record: Record | None = None
+    problem: ProblemModel | None = None
+
+
+class BatchResponse(BaseModel):
+    results: list[BatchResult]
+
+
+def batch_responses() -> dict[int | str, dict[str, Any]]:
+    return {
+        200: {"model": BatchResponse, "description": "One result per event, in request order"},
+        400: _problem("Body is not JSON"),
+        413: _problem("Body over 16 MiB"),
+        422: _problem("Malformed envelope"),
+        503: _problem("Database unavailable"),
+    }
+
+
+def batch_request_body() -> dict[str, Any]:
+    kinds = {"type": "string", "enum": ["declare", "start", "complete", "fail"]}
+    event = {
+        "type": "object",
+        "required": ["instance_key", "step_slug", "kind"],
+        "properties": {
+            "instance_key": {"type": "string"},
+            "step_slug": {"type": "string"},
+            "kind": kinds,
+        },
+        "additionalProperties": True,
+        "description": "The fields of the kind's own endpoint, plus instance_key, step_slug, kind.",
+    }
+    schema = {
+        "type": "object",
+        "required": ["events"],
+        "additionalProperties": False,
+        "properties": {
+            "events": {"type": "array", "minItems": 1, "maxItems": 1000, "items": event}
+        },
+    }
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}

@@ -68,41 +68,42 @@ NO_RECORD = ", ".join(["NULL"] * 13)
 
 # Positions: a record sits at (attempt_count, rank), rank pending 0, running 1, finished 2;
 # an event at (attempt, k), k declare 0, start 1, complete/fail 2. See the contract, §3.
-APPLY_EVENT = f"""
+#
+# One statement applies a set of events of distinct steps, in event order `i`: a single event
+# is a set of one. Server-assigned ordinals follow event order: with `s` the running count of
+# server-assigned new steps of an instance and `a` the running max of (client ordinal + 1 - s),
+# a server-assigned step gets s + max(base, a) - 1, which is what applying the events one by
+# one would give, and the instance's counter ends at s_total + max(base, a_total).
+APPLY_EVENTS = f"""
 WITH e AS MATERIALIZED (
-    SELECT x.*,
+    SELECT x.i, x.instance_key, x.step_slug, x.kind, x.attempt, x.started_at, x.completed_at,
+           x.output::jsonb AS output, x.url, x.error_code, x.error_message, x.ordinal,
+           clock_timestamp() AS now,
            CASE x.kind WHEN 'declare' THEN 0 WHEN 'start' THEN 1 ELSE 2 END AS k,
            CASE x.kind WHEN 'declare' THEN 'pending' WHEN 'start' THEN 'running'
                        WHEN 'complete' THEN 'completed' ELSE 'failed' END AS target,
            (x.kind IN ('declare', 'start') OR x.started_at IS NOT NULL) AS can_create
-    FROM (SELECT %(instance_key)s::text AS instance_key, %(step_slug)s::text AS step_slug,
-                 %(kind)s::text AS kind, %(attempt)s::bigint AS attempt,
-                 %(started_at)s::timestamptz AS started_at,
-                 %(completed_at)s::timestamptz AS completed_at,
-                 %(output)s::jsonb AS output, %(external_output_url)s::text AS url,
-                 %(error_code)s::text AS error_code, %(error_message)s::text AS error_message,
-                 %(ordinal)s::bigint AS ordinal, clock_timestamp() AS now) x
+    FROM unnest(
+        %(i)s::int[], %(instance_key)s::text[], %(step_slug)s::text[], %(kind)s::text[],
+        %(attempt)s::bigint[], %(started_at)s::timestamptz[], %(completed_at)s::timestamptz[],
+        %(output)s::text[], %(external_output_url)s::text[], %(error_code)s::text[],
+        %(error_message)s::text[], %(ordinal)s::bigint[]
+    ) AS x(i, instance_key, step_slug, kind, attempt, started_at, completed_at, output, url,
+           error_code, error_message, ordinal)
 ),
-new_instance AS (
-    INSERT INTO process_instance (instance_key, next_ordinal)
-    SELECT e.instance_key, COALESCE(e.ordinal, 0) + 1 FROM e
-    WHERE e.can_create
-      AND NOT EXISTS (SELECT 1 FROM process_instance p WHERE p.instance_key = e.instance_key)
-    ON CONFLICT ON CONSTRAINT uq_process_instance_instance_key DO NOTHING
-    RETURNING id, next_ordinal - 1 AS ordinal
-),
-inst AS (
-    SELECT id FROM new_instance
-    UNION ALL
-    SELECT p.id FROM process_instance p, e WHERE p.instance_key = e.instance_key
+known AS (
+    SELECT p.id, p.instance_key FROM process_instance p
+    WHERE p.instance_key IN (SELECT instance_key FROM e)
 ),
 cur AS (
-    SELECT r.* FROM workflow_step_record r, inst, e
-    WHERE r.instance_id = inst.id AND r.step_slug = e.step_slug
+    SELECT e.i, r.* FROM e
+    JOIN known ON known.instance_key = e.instance_key
+    JOIN workflow_step_record r ON r.instance_id = known.id AND r.step_slug = e.step_slug
+    ORDER BY r.id
     FOR UPDATE OF r
 ),
 dec AS (
-    SELECT cur.id, p.a_e, s.started_at,
+    SELECT cur.i, cur.id, p.a_e, s.started_at,
         CASE
             WHEN (p.a_e, e.k) > (cur.attempt_count, p.rank) THEN
                 CASE WHEN p.a_e > 2147483647 THEN 'conflict'
@@ -120,7 +121,7 @@ dec AS (
             WHEN p.a_e = cur.attempt_count THEN 'replay'
             ELSE 'stale_attempt'
         END AS outcome
-    FROM cur, e,
+    FROM cur JOIN e ON e.i = cur.i,
         LATERAL (SELECT
             CASE WHEN e.k = 0 THEN cur.attempt_count
                  WHEN e.attempt IS NOT NULL THEN e.attempt
@@ -147,84 +148,190 @@ upd AS (
         error_code = e.error_code,
         error_message = e.error_message,
         updated_at = e.now
-    FROM dec d, e
+    FROM dec d JOIN e ON e.i = d.i
     WHERE r.id = d.id AND d.outcome = 'applied'
-    RETURNING r.*
+    RETURNING d.i, r.*
 ),
-next_ordinal AS (
-    UPDATE process_instance p
-    SET next_ordinal = GREATEST(p.next_ordinal, COALESCE(e.ordinal, p.next_ordinal) + 1)
+fresh AS (
+    SELECT e.i, e.instance_key, e.ordinal,
+           count(*) FILTER (WHERE e.ordinal IS NULL)
+               OVER (PARTITION BY e.instance_key ORDER BY e.i) AS s
     FROM e
-    WHERE p.instance_key = e.instance_key AND e.can_create
-      AND NOT EXISTS (SELECT 1 FROM cur) AND NOT EXISTS (SELECT 1 FROM new_instance)
-    RETURNING COALESCE(e.ordinal, p.next_ordinal - 1) AS ordinal
+    WHERE e.can_create AND NOT EXISTS (SELECT 1 FROM cur WHERE cur.i = e.i)
 ),
-new_ordinal AS (
-    SELECT ordinal FROM new_instance UNION ALL SELECT ordinal FROM next_ordinal
+spans AS (
+    SELECT f.*,
+           max(f.ordinal + 1 - f.s) OVER (PARTITION BY f.instance_key ORDER BY f.i) AS a,
+           max(f.ordinal + 1 - f.s) OVER (PARTITION BY f.instance_key) AS a_total,
+           count(*) FILTER (WHERE f.ordinal IS NULL)
+               OVER (PARTITION BY f.instance_key) AS s_total
+    FROM fresh f
+),
+locked AS (
+    SELECT p.id, p.instance_key, p.next_ordinal AS base FROM process_instance p
+    WHERE p.instance_key IN (SELECT instance_key FROM spans)
+    ORDER BY p.id
+    FOR UPDATE
+),
+assigned AS (
+    SELECT sp.i, sp.instance_key, l.id AS locked_id,
+           COALESCE(sp.ordinal, sp.s + GREATEST(COALESCE(l.base, 0), sp.a) - 1) AS ordinal,
+           sp.s_total + GREATEST(COALESCE(l.base, 0), sp.a_total) AS next_ordinal
+    FROM spans sp LEFT JOIN locked l ON l.instance_key = sp.instance_key
+),
+bump AS (
+    UPDATE process_instance p SET next_ordinal = x.next_ordinal
+    FROM (SELECT DISTINCT locked_id, next_ordinal FROM assigned
+          WHERE locked_id IS NOT NULL) x
+    WHERE p.id = x.locked_id
+    RETURNING p.id
+),
+new_instance AS (
+    INSERT INTO process_instance (instance_key, next_ordinal)
+    SELECT a.instance_key, max(a.next_ordinal) FROM assigned a
+    WHERE NOT EXISTS (SELECT 1 FROM known WHERE known.instance_key = a.instance_key)
+    GROUP BY a.instance_key
+    ON CONFLICT ON CONSTRAINT uq_process_instance_instance_key DO NOTHING
+    RETURNING id, instance_key
+),
+inst AS (
+    SELECT id, instance_key FROM new_instance
+    UNION ALL
+    SELECT id, instance_key FROM known
 ),
 ins AS (
     INSERT INTO workflow_step_record AS r (
         instance_id, step_slug, ordinal, status, attempt_count, output, external_output_url,
         started_at, completed_at, error_code, error_message, created_at, updated_at)
-    SELECT inst.id, e.step_slug, n.ordinal, e.target,
+    SELECT inst.id, e.step_slug, a.ordinal, e.target,
            CASE WHEN e.k = 0 THEN 1 ELSE COALESCE(e.attempt, 1) END,
            e.output, e.url,
            CASE WHEN e.k > 0 THEN COALESCE(e.started_at, e.now) END,
            CASE WHEN e.k = 2 THEN COALESCE(e.completed_at, GREATEST(e.now, e.started_at)) END,
            e.error_code, e.error_message, e.now, e.now
-    FROM e, inst, new_ordinal n
-    WHERE n.ordinal <= 2147483647
+    FROM assigned a
+    JOIN e ON e.i = a.i
+    JOIN inst ON inst.instance_key = a.instance_key
+    WHERE a.ordinal <= 2147483647
     RETURNING r.*
 )
-SELECT 'created' AS outcome, {RECORD.format(r="ins")} FROM ins
+SELECT e.i, 'created' AS outcome, {RECORD.format(r="ins")}
+FROM ins JOIN inst ON inst.id = ins.instance_id
+JOIN e ON e.instance_key = inst.instance_key AND e.step_slug = ins.step_slug
 UNION ALL
-SELECT 'applied', {RECORD.format(r="upd")} FROM upd
+SELECT upd.i, 'applied', {RECORD.format(r="upd")} FROM upd
 UNION ALL
-SELECT d.outcome, {RECORD.format(r="cur")} FROM dec d JOIN cur ON cur.id = d.id
+SELECT d.i, d.outcome, {RECORD.format(r="cur")} FROM dec d JOIN cur ON cur.i = d.i
 WHERE d.outcome <> 'applied'
 UNION ALL
-SELECT 'not_started', {NO_RECORD} FROM e WHERE NOT e.can_create AND NOT EXISTS (SELECT 1 FROM cur)
+SELECT e.i, 'not_started', {NO_RECORD} FROM e
+WHERE NOT e.can_create AND NOT EXISTS (SELECT 1 FROM cur WHERE cur.i = e.i)
 UNION ALL
-SELECT 'ordinal_taken', {NO_RECORD} FROM new_ordinal WHERE ordinal > 2147483647
+SELECT a.i, 'ordinal_taken', {NO_RECORD} FROM assigned a WHERE a.ordinal > 2147483647
 """
 
-# A statement that returns no row, or collides on the step's unique key, lost a race with a
-# concurrent creator of the same instance or step: its snapshot could not see the new row.
-# The collision aborts the whole statement (so no ordinal is spent) and the next try sees it.
+# An event with no row in the answer lost a race with a concurrent creator of its instance (the
+# statement's snapshot could not see the new row); a collision on the step's unique key (a
+# concurrent creator of the step) aborts the whole statement, so nothing was written. In both
+# cases the next try sees the new row. A deadlock between two batches is retried the same way.
 MAX_TRIES = 5
 RACE_KEY = "uq_workflow_step_record_instance_id_step_slug"
+PARAMS = (
+    "instance_key",
+    "step_slug",
+    "kind",
+    "attempt",
+    "started_at",
+    "completed_at",
+    "output",
+    "external_output_url",
+    "error_code",
+    "error_message",
+    "ordinal",
+)
+
+Outcomes = list[Result | Exception]
 
 
 async def apply_event(conn: AsyncConn, event: Event) -> Result:
-    params = {
-        "instance_key": event.instance_key,
-        "step_slug": event.step_slug,
-        "kind": event.kind,
-        "attempt": event.attempt,
-        "started_at": event.started_at,
-        "completed_at": event.completed_at,
-        "output": event.output,
-        "external_output_url": event.external_output_url,
-        "error_code": event.error_code,
-        "error_message": event.error_message,
-        "ordinal": event.ordinal,
-    }
+    """Apply one event; raise what the database refused."""
+    (result,) = await apply_events(conn, [event])
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+async def apply_events(conn: AsyncConn, events: Sequence[Event]) -> Outcomes:
+    """Apply events in order, each judged as if alone; one result (or refusal) per event.
+
+    Consecutive events of distinct steps go in one statement; a step seen again starts the
+    next statement, so later events of a step see the effects of earlier ones.
+    """
+    outcomes: list[Result | Exception | None] = [None] * len(events)
+    segment: list[int] = []
+    seen: set[tuple[str, str]] = set()
+    for index, event in enumerate(events):
+        key = (event.instance_key, event.step_slug)
+        if key in seen:
+            await _apply_segment(conn, events, segment, outcomes)
+            segment, seen = [], set()
+        segment.append(index)
+        seen.add(key)
+    if segment:
+        await _apply_segment(conn, events, segment, outcomes)
+    return [o if o is not None else Contention("not applied") for o in outcomes]
+
+
+async def _apply_segment(
+    conn: AsyncConn,
+    events: Sequence[Event],
+    indexes: list[int],
+    outcomes: list[Result | Exception | None],
+) -> None:
+    pending = indexes
     for _ in range(MAX_TRIES):
         try:
-            cur = await conn.execute(APPLY_EVENT, params)
-        except psycopg.errors.IntegrityError as exc:
-            if exc.diag.constraint_name == RACE_KEY:
-                continue
-            raise _violation(exc) from exc
-        except psycopg.errors.DataError as exc:
-            raise InvalidData(exc.diag.message_primary or str(exc)) from exc
-        row = await cur.fetchone()
-        if row is None:
+            cur = await conn.execute(APPLY_EVENTS, _columns(events, pending))
+        except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
             continue
-        outcome = row.pop("outcome")
-        record = None if row["id"] is None else _record(row, event.instance_key)
-        return Result(outcome, record)
-    raise Contention(f"{event.instance_key}/{event.step_slug}: gave up after {MAX_TRIES} races")
+        except (psycopg.errors.IntegrityError, psycopg.errors.DataError) as exc:
+            if isinstance(exc, psycopg.errors.IntegrityError) and (
+                exc.diag.constraint_name == RACE_KEY
+            ):
+                continue
+            if len(pending) > 1:  # find which event was refused: one statement each
+                for index in pending:
+                    await _apply_segment(conn, events, [index], outcomes)
+                return
+            outcomes[pending[0]] = _refusal(exc)
+            return
+        for row in await cur.fetchall():
+            index = row.pop("i")
+            outcome = row.pop("outcome")
+            instance_key = events[index].instance_key
+            record = None if row["id"] is None else _record(row, instance_key)
+            outcomes[index] = Result(outcome, record)
+        pending = [index for index in pending if outcomes[index] is None]
+        if not pending:
+            return
+    for index in pending:
+        event = events[index]
+        outcomes[index] = Contention(
+            f"{event.instance_key}/{event.step_slug}: gave up after {MAX_TRIES} races"
+        )
+
+
+def _columns(events: Sequence[Event], indexes: list[int]) -> dict[str, list[Any]]:
+    columns: dict[str, list[Any]] = {"i": indexes}
+    for name in PARAMS:
+        columns[name] = [getattr(events[index], name) for index in indexes]
+    return columns
+
+
+def _refusal(exc: psycopg.Error) -> Exception:
+    if isinstance(exc, psycopg.errors.IntegrityError):
+        return _violation(exc)
+    return InvalidData(exc.diag.message_primary or str(exc))
 
 
 def _violation(exc: psycopg.errors.IntegrityError) -> ConstraintViolation:

@@ -35,7 +35,5 @@ def test_swagger_ui_is_served(client: httpx.Client) -> None:
 
 @schema.parametrize()
 @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
-def test_the_live_app_never_answers_5xx_and_matches_its_schema(
-    case: Any, server_url: str
-) -> None:
+def test_the_live_app_never_answers_5xx_and_matches_its_schema(case: Any, server_url: str) -> None:
     case.call_and_validate(base_url=server_url, checks=CHECKS)
