@@ -1,18 +1,23 @@
-"""The `steprecord` command: `serve`, `migrate` and `openapi`."""
+"""The `steprecord` command: `serve`, `migrate`, `token` and `openapi`."""
 
 import argparse
-import ipaddress
+import asyncio
 import json
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import psycopg
 import uvicorn
 from alembic import command
+from psycopg.rows import dict_row
 
-from app.config import Settings, redact
+from app import steps
+from app.access import SCOPES, new_token
+from app.config import Settings, is_loopback, redact
 from app.embedded import EmbeddedPostgres
 from app.main import alembic_config, create_app
 
@@ -36,18 +41,9 @@ def database(settings: Settings) -> Iterator[str]:
         yield settings.database_url.get_secret_value()
         return
     embedded = EmbeddedPostgres(settings.data_dir)
-    print(f"starting embedded PostgreSQL in {embedded.pgdata}", file=sys.stderr)
+    print(f"using the embedded PostgreSQL in {embedded.pgdata}", file=sys.stderr)
     with embedded:
         yield embedded.url
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -56,28 +52,83 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
+async def _count_tokens(url: str) -> int:
+    async with await psycopg.AsyncConnection.connect(url, row_factory=dict_row) as conn:
+        return len(await steps.active_tokens(conn))
+
+
 def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     settings = Settings()
     with database(settings) as url:
         migrate(url)
-        os.environ["DATABASE_URL"] = url  # the workers build their app from the environment
+        public = not is_loopback(args.host) and not args.insecure_no_auth
+        if public and asyncio.run(_count_tokens(url)) == 0:
+            print(
+                f"refusing to listen on {args.host} with no access token: create one with\n"
+                "  steprecord token create NAME --scope write\n"
+                "or pass --insecure-no-auth to allow anonymous access until a token exists",
+                file=sys.stderr,
+            )
+            return 2
+        # The workers build their app from the environment.
+        os.environ["DATABASE_URL"] = url
+        os.environ["STEPRECORD_HOST"] = args.host
+        os.environ["STEPRECORD_INSECURE_NO_AUTH"] = "1" if args.insecure_no_auth else "0"
+        metrics_dir = None
+        if args.workers > 1:
+            metrics_dir = tempfile.TemporaryDirectory(prefix="steprecord-metrics-")
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.name
         print(
             f"steprecord listening on http://{args.host}:{args.port}"
             f" (workers: {args.workers}), database {redact(url)}",
             file=sys.stderr,
             flush=True,
         )
-        uvicorn.run(
-            "app.main:create_app",
-            factory=True,
-            host=args.host,
-            port=args.port,
-            workers=args.workers,
-            log_level="warning",
-            access_log=False,
-            timeout_graceful_shutdown=30,
-        )
+        try:
+            uvicorn.run(
+                "app.main:create_app",
+                factory=True,
+                host=args.host,
+                port=args.port,
+                workers=args.workers,
+                log_level="warning",
+                access_log=False,
+                timeout_graceful_shutdown=30,
+            )
+        finally:
+            if metrics_dir is not None:
+                metrics_dir.cleanup()
+    return 0
+
+
+async def _token(args: argparse.Namespace, url: str) -> int:
+    async with await psycopg.AsyncConnection.connect(
+        url, autocommit=True, row_factory=dict_row
+    ) as conn:
+        if args.action == "create":
+            token, digest = new_token()
+            try:
+                await steps.create_token(conn, args.name, args.scope, digest)
+            except steps.ConstraintViolation as exc:
+                print(f"cannot create token {args.name!r}: {exc.constraint}", file=sys.stderr)
+                return 1
+            print(token)
+            print(
+                f"created {args.scope} token {args.name!r}; it is shown only once", file=sys.stderr
+            )
+        elif args.action == "list":
+            for row in await steps.list_tokens(conn):
+                used = row["last_used_at"].isoformat() if row["last_used_at"] else "never"
+                print(
+                    f"{row['name']}\t{row['scope']}\tcreated {row['created_at'].isoformat()}"
+                    f"\tlast used {used}"
+                )
+        elif not await steps.revoke_token(conn, args.name):
+            print(f"no token named {args.name!r}", file=sys.stderr)
+            return 1
+        else:
+            print(f"revoked {args.name!r}", file=sys.stderr)
     return 0
 
 
@@ -88,8 +139,21 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("--host", default="127.0.0.1")
     p_serve.add_argument("--port", type=int, default=8000)
     p_serve.add_argument("--workers", type=int, default=1)
+    p_serve.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="allow starting on a non-loopback address before any token exists",
+    )
     sub.add_parser("migrate", help="upgrade the database to the migration head")
     sub.add_parser("openapi", help="print the OpenAPI document")
+    p_token = sub.add_parser("token", help="create, list or revoke access tokens")
+    actions = p_token.add_subparsers(dest="action", required=True)
+    p_create = actions.add_parser("create", help="print a new token (once) and store its hash")
+    p_create.add_argument("name")
+    p_create.add_argument("--scope", choices=SCOPES, required=True)
+    actions.add_parser("list", help="names, scopes and times; never the tokens")
+    p_revoke = actions.add_parser("revoke", help="end a token's access")
+    p_revoke.add_argument("name")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
@@ -98,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with database(Settings()) as url:
         migrate(url)
+        if args.command == "token":
+            return asyncio.run(_token(args, url))
         print(f"database {redact(url)} is at the migration head", file=sys.stderr)
     return 0
 

@@ -1,5 +1,6 @@
 """Settings, from the environment (prefix `STEPRECORD_`, plus `DATABASE_URL`)."""
 
+import ipaddress
 import os
 from pathlib import Path
 
@@ -26,6 +27,11 @@ class Settings(BaseSettings):
     db_timeout: float = Field(default=1.5, gt=0, le=30)
     # psycopg's prepare_threshold; None keeps no server-side prepared statements (PgBouncer).
     prepare_threshold: int | None = None
+    # The address `serve` binds; anonymous access needs a loopback one (or insecure_no_auth).
+    host: str = "127.0.0.1"
+    insecure_no_auth: bool = False
+    # How often each worker reloads the tokens (revocations take effect within this time).
+    token_refresh_seconds: float = Field(default=2.0, gt=0, le=60)
 
 
 def redact(url: str) -> str:
@@ -36,3 +42,12 @@ def redact(url: str) -> str:
     userinfo, at, host = rest.rpartition("@")
     user, colon, _ = userinfo.partition(":")
     return f"{scheme}://{user}{':***' if colon else ''}{at}{host}"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -8,7 +8,7 @@ itself, so a 2xx means it is committed.
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -26,8 +26,15 @@ class DatabaseUnavailable(Exception):
 
 class Pool:
     def __init__(
-        self, conninfo: str, *, size: int, timeout: float, prepare_threshold: int | None
+        self,
+        conninfo: str,
+        *,
+        size: int,
+        timeout: float,
+        prepare_threshold: int | None,
+        on_change: Callable[[int, int], None] | None = None,
     ) -> None:
+        self._on_change = on_change
         self._conninfo = conninfo
         self._timeout = timeout
         self._prepare_threshold = prepare_threshold
@@ -56,13 +63,13 @@ class Pool:
 
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[AsyncConn]:
-        self.waiting += 1
+        self._changed(waiting=1)
         try:
             await asyncio.wait_for(self._slots.acquire(), self._timeout)
         except TimeoutError:
             raise DatabaseUnavailable("no database connection came free in time") from None
         finally:
-            self.waiting -= 1
+            self._changed(waiting=-1)
         conn: AsyncConn | None = None
         try:
             conn = self._take_idle()
@@ -71,14 +78,14 @@ class Pool:
                     conn = await asyncio.wait_for(self._connect(), self._timeout)
                 except (psycopg.OperationalError, OSError, TimeoutError) as exc:
                     raise DatabaseUnavailable(str(exc) or "connection timed out") from exc
-            self.in_use += 1
+            self._changed(in_use=1)
             try:
                 yield conn
             except psycopg.OperationalError as exc:
                 self._discard_idle()
                 raise DatabaseUnavailable(str(exc)) from exc
             finally:
-                self.in_use -= 1
+                self._changed(in_use=-1)
         finally:
             if conn is not None:
                 if conn.closed or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
@@ -86,6 +93,12 @@ class Pool:
                 else:
                     self._idle.append(conn)
             self._slots.release()
+
+    def _changed(self, in_use: int = 0, waiting: int = 0) -> None:
+        self.in_use += in_use
+        self.waiting += waiting
+        if self._on_change is not None:
+            self._on_change(self.in_use, self.waiting)
 
     def _discard_idle(self) -> None:
         """After one connection broke the others are suspect too (a restart drops them all)."""

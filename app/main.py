@@ -1,5 +1,7 @@
 """Wiring: settings, the connection pool, error handlers and routes."""
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -9,9 +11,12 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 from fastapi import FastAPI
 
-from app import errors, routes, schemas
-from app.config import Settings
-from app.db import Pool
+from app import errors, observe, routes, schemas
+from app.access import AccessControl, Tokens
+from app.config import Settings, is_loopback
+from app.db import DatabaseUnavailable, Pool
+from app.observe import Observe
+from app.steps import SchemaMissing
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -35,17 +40,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.database_url is None:
             raise RuntimeError("DATABASE_URL is not set (`steprecord serve` sets it for you)")
-        app.state.pool = Pool(
+        pool = Pool(
             settings.database_url.get_secret_value(),
             size=settings.pool_size,
             timeout=settings.db_timeout,
             prepare_threshold=settings.prepare_threshold,
+            on_change=observe.pool_changed,
         )
-        app.state.schema_head = schema_head()
+        tokens = Tokens(
+            pool,
+            anonymous_without_tokens=settings.insecure_no_auth or is_loopback(settings.host),
+            refresh=settings.token_refresh_seconds,
+        )
+        app.state.pool, app.state.tokens, app.state.schema_head = pool, tokens, schema_head()
+        with contextlib.suppress(DatabaseUnavailable, SchemaMissing):
+            await tokens.load()
+        reloading = asyncio.create_task(tokens.keep_loading())
         try:
             yield
         finally:
-            await app.state.pool.close()
+            reloading.cancel()
+            await pool.close()
 
     app = FastAPI(
         title="steprecord",
@@ -55,10 +70,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     errors.install(app)
     app.include_router(routes.router)
+    app.add_middleware(AccessControl)
+    app.add_middleware(Observe)
+    observe.configure_logging()
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = schemas.problem_media_types(FastAPI.openapi(app))
+            app.openapi_schema = schemas.with_security(
+                schemas.problem_media_types(FastAPI.openapi(app))
+            )
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

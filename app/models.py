@@ -15,6 +15,7 @@ from sqlalchemy import (
     Identity,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     Text,
     UniqueConstraint,
@@ -138,3 +139,27 @@ class WorkflowStepRecord(SQLModel, table=True):
     error_message: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     created_at: datetime = Field(sa_column=_now())
     updated_at: datetime = Field(sa_column=_now())
+
+
+class ApiToken(SQLModel, table=True):
+    """An access token; only its SHA-256 is stored, the token itself is shown once."""
+
+    __tablename__ = "api_token"
+    __table_args__ = (
+        UniqueConstraint("name"),
+        UniqueConstraint("token_sha256"),
+        CheckConstraint(f"name ~ '{NAME_PATTERN}'", name="name_format"),
+        CheckConstraint("scope IN ('read', 'write')", name="scope_known"),
+        CheckConstraint("octet_length(token_sha256) = 32", name="token_sha256_size"),
+    )
+
+    id: int | None = Field(
+        default=None, sa_column=Column(BigInteger, Identity(always=True), primary_key=True)
+    )
+    name: str = Field(sa_column=Column(Text, nullable=False))
+    scope: str = Field(sa_column=Column(Text, nullable=False))
+    token_sha256: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    created_at: datetime = Field(sa_column=_now())
+    last_used_at: datetime | None = Field(
+        default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
+    )

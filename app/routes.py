@@ -9,7 +9,7 @@ import orjson
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 
-from app import schemas, steps
+from app import observe, schemas, steps
 from app.db import Pool
 from app.errors import Problem, to_problem, validation_problem
 from app.events import BODIES, KINDS, parse_batch_event, parse_envelope, parse_event
@@ -75,9 +75,15 @@ def judged(result: steps.Result) -> tuple[int, dict[str, Any]]:
 
 def _event_route(kind: steps.Kind) -> None:
     async def handler(request: Request, instance_key: InstanceKey, step_slug: StepSlug) -> Response:
-        event = parse_event(instance_key, step_slug, kind, await read_json(request, MAX_BODY_BYTES))
+        try:
+            body = await read_json(request, MAX_BODY_BYTES)
+            event = parse_event(instance_key, step_slug, kind, body)
+        except Problem:
+            observe.count_event(kind, "refused")
+            raise
         async with _pool(request).connection() as conn:
             result = await steps.apply_event(conn, event)
+        observe.count_event(kind, result.outcome)
         status, record = judged(result)
         return _json(record, status)
 
@@ -97,7 +103,8 @@ for _kind in KINDS:
     _event_route(_kind)
 
 
-def _batch_result(outcome: steps.Result | Exception) -> dict[str, Any]:
+def _batch_result(kind: str, outcome: steps.Result | Exception) -> dict[str, Any]:
+    observe.count_event(kind, outcome.outcome if isinstance(outcome, steps.Result) else "refused")
     try:
         if isinstance(outcome, Exception):
             raise outcome
@@ -126,8 +133,18 @@ async def post_events(request: Request) -> Response:
     valid = [event for event in parsed if isinstance(event, steps.Event)]
     async with _pool(request).connection() as conn:
         applied = iter(await steps.apply_events(conn, valid))
-    outcomes = [next(applied) if isinstance(p, steps.Event) else p for p in parsed]
-    return _json({"results": [_batch_result(outcome) for outcome in outcomes]})
+    results = []
+    for item, event in zip(items, parsed, strict=True):
+        if isinstance(event, steps.Event):
+            results.append(_batch_result(event.kind, next(applied)))
+        else:
+            results.append(_batch_result(_kind_of(item), event))
+    return _json({"results": results})
+
+
+def _kind_of(item: Any) -> str:
+    kind = item.get("kind") if isinstance(item, dict) else None
+    return kind if kind in KINDS else "unknown"
 
 
 # --- reads -----------------------------------------------------------------------------
@@ -277,6 +294,18 @@ async def list_instances(
         items, last = await steps.list_instances(conn, before=before, limit=limit)
     next_cursor = None if last is None else encode_cursor("i", last["created_at"], last["id"])
     return _json({"items": items, "next_cursor": next_cursor})
+
+
+@router.get(
+    "/metrics",
+    tags=["operations"],
+    summary="Prometheus metrics of every worker",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}},
+)
+async def metrics() -> Response:
+    body, content_type = observe.render()
+    return Response(body, media_type=content_type)
 
 
 @router.get("/healthz", tags=["operations"], summary="The process is alive")

@@ -160,3 +160,36 @@ def batch_request_body() -> dict[str, Any]:
         },
     }
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+OPEN_OPERATIONS = ("/healthz", "/readyz")
+
+
+def with_security(document: dict[str, Any]) -> dict[str, Any]:
+    """Declare bearer tokens: every operation needs one but the health checks."""
+    components = document.setdefault("components", {})
+    components.setdefault("schemas", {})
+    components["securitySchemes"] = {
+        "bearer": {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "A token from `steprecord token create`.",
+        }
+    }
+    document["security"] = [{"bearer": []}]
+    problem = {
+        "application/problem+json": {"schema": {"$ref": "#/components/schemas/ProblemModel"}}
+    }
+    for path, item in document["paths"].items():
+        for operation in item.values():
+            if path in OPEN_OPERATIONS:
+                operation["security"] = []
+                continue
+            responses = operation.setdefault("responses", {})
+            responses.setdefault(
+                "401", {"description": "Missing or unknown token", "content": problem}
+            )
+            responses.setdefault(
+                "403", {"description": "The token's scope is too narrow", "content": problem}
+            )
+    return document

@@ -517,3 +517,44 @@ async def schema_revision(conn: AsyncConn) -> str | None:
         return None
     row = await cur.fetchone()
     return None if row is None else str(row["version_num"])
+
+
+# --- tokens -----------------------------------------------------------------------------
+
+
+async def create_token(conn: AsyncConn, name: str, scope: str, digest: bytes) -> None:
+    try:
+        await conn.execute(
+            "INSERT INTO api_token (name, scope, token_sha256) VALUES (%s, %s, %s)",
+            (name, scope, digest),
+        )
+    except psycopg.errors.IntegrityError as exc:
+        raise _violation(exc) from exc
+
+
+async def list_tokens(conn: AsyncConn) -> list[dict[str, Any]]:
+    cur = await conn.execute(
+        "SELECT name, scope, created_at, last_used_at FROM api_token ORDER BY name"
+    )
+    return await cur.fetchall()
+
+
+async def revoke_token(conn: AsyncConn, name: str) -> bool:
+    cur = await conn.execute("DELETE FROM api_token WHERE name = %s", (name,))
+    return cur.rowcount == 1
+
+
+class SchemaMissing(Exception):
+    """The database has not been migrated far enough for this query."""
+
+
+async def active_tokens(conn: AsyncConn) -> list[dict[str, Any]]:
+    try:
+        cur = await conn.execute("SELECT id, scope, token_sha256 FROM api_token")
+    except psycopg.errors.UndefinedTable as exc:
+        raise SchemaMissing(str(exc)) from exc
+    return await cur.fetchall()
+
+
+async def touch_tokens(conn: AsyncConn, ids: Sequence[int]) -> None:
+    await conn.execute("UPDATE api_token SET last_used_at = now() WHERE id = ANY(%s)", (list(ids),))

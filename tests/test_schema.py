@@ -281,8 +281,8 @@ def test_models_and_migrations_agree(database_url: str) -> None:
                 row[0]
                 for row in conn.exec_driver_sql(
                     "SELECT conname FROM pg_constraint c JOIN pg_class t ON t.oid = c.conrelid"
-                    " WHERE t.relname IN ('process_instance', 'workflow_step_record')"
-                    " AND c.contype IN ('c', 'u', 'f')"
+                    " WHERE t.relname = ANY(%s) AND c.contype IN ('c', 'u', 'f')",
+                    (list(metadata.tables),),
                 )
             }
     finally:

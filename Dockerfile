@@ -1,0 +1,23 @@
+# steprecord: build a virtualenv in one stage, run it as an unprivileged user in the next.
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY app ./app
+COPY migrations ./migrations
+RUN python -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir .
+
+FROM python:3.11-slim
+RUN useradd --system --create-home --uid 10001 steprecord
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1
+USER 10001
+WORKDIR /home/steprecord
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
+# Configure with DATABASE_URL; create a token first (`steprecord token create`) or the
+# service refuses to listen on a public address without one.
+ENTRYPOINT ["steprecord"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -1,0 +1,141 @@
+"""Request ids, one JSON log line per request, and Prometheus metrics.
+
+With several workers, metrics live in `PROMETHEUS_MULTIPROC_DIR` (set by `steprecord serve`)
+and `/metrics` sums every worker's.
+"""
+
+import json
+import logging
+import os
+import re
+import sys
+import time
+import uuid
+from contextvars import ContextVar
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+REQUEST_SECONDS = Histogram(
+    "steprecord_http_request_duration_seconds",
+    "HTTP requests by method, route template and status.",
+    ["method", "route", "status"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+EVENTS = Counter("steprecord_events_total", "Events by kind and outcome.", ["kind", "outcome"])
+POOL = Gauge(
+    "steprecord_db_pool_connections",
+    "Database connections in use, and requests waiting for one.",
+    ["state"],
+    multiprocess_mode="livesum",
+)
+OUTCOMES = {
+    "created": "created",
+    "applied": "applied",
+    "replay": "replay",
+    "conflict": "conflict",
+    "stale_attempt": "stale_attempt",
+}
+
+request_id: ContextVar[str] = ContextVar("request_id", default="-")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_access = logging.getLogger("steprecord.request")
+
+
+def count_event(kind: str, outcome: str) -> None:
+    """Count one event; anything that is not one of the outcomes above was refused."""
+    EVENTS.labels(kind, OUTCOMES.get(outcome, "refused")).inc()
+
+
+def pool_changed(in_use: int, waiting: int) -> None:
+    POOL.labels("in_use").set(in_use)
+    POOL.labels("waiting").set(waiting)
+
+
+def render() -> tuple[bytes, str]:
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+class _JSONLines(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = getattr(record, "fields", None) or {
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+            "request_id": request_id.get(),
+        }
+        if record.exc_info:
+            line = {**line, "error": self.formatException(record.exc_info)}
+        return json.dumps(line, separators=(",", ":"))
+
+
+def configure_logging() -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(_JSONLines())
+    root = logging.getLogger("steprecord")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
+class Observe:
+    """ASGI middleware: takes or makes the request id, echoes it, logs and times the request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        began = time.perf_counter()
+        rid = ""
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                rid = value.decode("latin-1")
+                break
+        if not _REQUEST_ID.fullmatch(rid):
+            rid = uuid.uuid4().hex
+        token = request_id.set(rid)
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            seconds = time.perf_counter() - began
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            REQUEST_SECONDS.labels(scope["method"], template, str(status)).observe(seconds)
+            _access.info(
+                "request",
+                extra={
+                    "fields": {
+                        "method": scope["method"],
+                        "route": template,
+                        "status": status,
+                        "duration_ms": round(seconds * 1000, 3),
+                        "request_id": rid,
+                    }
+                },
+            )
+            request_id.reset(token)

@@ -1,0 +1,1 @@
+"""Benchmark harness: the service against pgbench on the same PostgreSQL (see README.md)."""

@@ -1,0 +1,572 @@
+"""The steprecord benchmark: the service side by side with pgbench on one fresh PostgreSQL.
+
+Run from the repository root: `.venv/bin/python -m tests.bench.run [--duration S] [--quick]`.
+README.md says what each load is and how to read the table. Exits non-zero when any load had
+an error (a non-2xx response, a refused batch event, a socket error, a failed pgbench
+transaction) or could not run; a missed target is reported, not an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent.parent
+if str(ROOT) not in sys.path:  # also runnable as `python tests/bench/run.py`
+    sys.path.insert(0, str(ROOT))
+
+import psycopg  # noqa: E402
+from psycopg.conninfo import make_conninfo  # noqa: E402
+
+from app import steps  # noqa: E402
+from app.cli import migrate  # noqa: E402
+from app.embedded import EmbeddedPostgres  # noqa: E402
+
+DB_NAME = "steprecord_bench"
+WORKERS = 2
+INSTANCES = 5000  # the write loads spread their steps over this many instances
+BATCH_SIZE = 100
+STEPS_PER_INSTANCE = 500  # on average, in the read tables (load_reads.sql)
+READ_LIMIT = 100
+SMALL_TABLE = 10**4
+CPUS = len(os.sched_getaffinity(0))
+INSTALL = "apt-get update && apt-get install -y wrk postgresql-client  # pgbench"
+TARGETS = {"single": 0.40, "batch": 0.90, "read_growth": 1.2, "tail": 3.0}
+# Never through a proxy: all traffic stays on 127.0.0.1.
+HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+@dataclass(frozen=True)
+class Load:
+    """One measured load: its rate, its latency and how many of its operations failed."""
+
+    rate: float  # requests (wrk) or script runs (pgbench) per second
+    events_per_op: int
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    detail: str = ""
+
+    @property
+    def events_per_s(self) -> float:
+        return self.rate * self.events_per_op
+
+
+FAILED = Load(0.0, 1, math.nan, math.nan, 1)
+
+
+# --- the database and the service ------------------------------------------------------------
+
+
+@contextmanager
+def postgres_server(tmp: Path) -> Iterator[str]:
+    """The server named by DATABASE_URL, or an embedded PostgreSQL started for the run."""
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        yield url
+        return
+    embedded = EmbeddedPostgres(tmp / "postgres")
+    print("starting an embedded PostgreSQL", file=sys.stderr)
+    try:
+        yield embedded.start()
+    finally:
+        embedded.stop()
+
+
+@contextmanager
+def fresh_database(server: str) -> Iterator[str]:
+    """A new, migrated database `steprecord_bench` on the server, dropped at the end."""
+    with psycopg.connect(server, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {DB_NAME}")
+    try:
+        dsn = make_conninfo(server, dbname=DB_NAME)
+        migrate(dsn)
+        yield dsn
+    finally:
+        try:
+            with psycopg.connect(server, autocommit=True) as conn:
+                conn.execute(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")
+        except psycopg.Error as exc:
+            print(f"warning: could not drop {DB_NAME}: {exc}", file=sys.stderr)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def http_status(method: str, url: str, body: bytes | None = None) -> int:
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json"}, method=method)
+    try:
+        with HTTP.open(request, timeout=10) as response:
+            status: int = response.status
+            return status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@contextmanager
+def service(dsn: str, log: Path) -> Iterator[str]:
+    """`steprecord serve --workers 2` on the bench database; yields its base URL."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--workers", str(WORKERS)]
+    env = {**os.environ, "DATABASE_URL": dsn}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the service exited ({proc.returncode}):\n{tail(log)}")
+            with suppress(OSError):
+                if http_status("GET", f"{base}/readyz") == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the service was not ready within 60 s:\n{tail(log)}")
+            time.sleep(0.2)
+        yield base
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the workers too
+                proc.wait()
+
+
+def tail(path: Path, size: int = 3000) -> str:
+    return path.read_text(errors="replace")[-size:] if path.exists() else ""
+
+
+def reset(dsn: str) -> None:
+    """Empty tables and a checkpoint, so that every load starts from the same state."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE workflow_step_record, process_instance RESTART IDENTITY")
+        with suppress(psycopg.errors.InsufficientPrivilege):
+            conn.execute("CHECKPOINT")
+
+
+def load_read_table(dsn: str, records: int) -> None:
+    """`records` step records over records/500 instances (load_reads.sql), then VACUUM ANALYZE."""
+    reset(dsn)
+    statements = re.split(r";\s*$", (BENCH / "load_reads.sql").read_text(), flags=re.M)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        with conn.transaction():
+            for statement in filter(str.strip, statements):
+                conn.execute(statement.strip(), {"instances": records // STEPS_PER_INSTANCE})
+        conn.execute("VACUUM ANALYZE process_instance, workflow_step_record")
+        with suppress(psycopg.errors.InsufficientPrivilege):
+            conn.execute("CHECKPOINT")
+
+
+def read_script(order: str, path: Path) -> Path:
+    """The service's own list query (app/steps.py) as a pgbench script, first page, no filter."""
+    query = steps.LIST_BY_ORDINAL if order == "ordinal" else steps.LIST_BY_STARTED_AT
+    literals = {
+        "instance_key": "('r' || :k)",
+        "statuses": "NULL",
+        "limit": str(READ_LIMIT + 1),  # the service asks for one more to know if a page follows
+        "after_ordinal": "-1",
+        "after_started_at": "'-infinity'",
+        "after_id": "0",
+    }
+    sql = " ".join((query % literals).split())
+    path.write_text(f"\\set k random(1, :instances)\n{sql};\n")
+    return path
+
+
+# --- the load generators -----------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(p / 100 * len(ordered)) - 1))]
+
+
+def wrk(
+    base: str, script: str, connections: int, seconds: float, args: Sequence[object], events: int
+) -> Load:
+    """A wrk run with one of our Lua scripts; every non-2xx and socket error is an error."""
+    command = ["wrk", "-t", str(min(connections, CPUS)), "-c", str(connections)]
+    command += ["-d", f"{seconds:g}s", "--timeout", "10s", "-s", str(BENCH / script), base]
+    command += ["--", *map(str, args)]
+    env = {**os.environ, "LUA_PATH": f"{BENCH}/?.lua;;"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=seconds + 60)
+    found = re.search(r"^BENCH (\{.*\})$", done.stdout, re.M)
+    if done.returncode != 0 or found is None:
+        return Load(0.0, events, math.nan, math.nan, 1, (done.stderr or done.stdout)[-2000:])
+    stats = json.loads(found[1])
+    sample = re.search(r"^SAMPLE (.*)$", done.stdout, re.M)
+    errors = stats["socket_errors"] + stats["bad_http"] + stats["bad_events"]
+    if stats["requests"] == 0:
+        errors += 1
+    detail = sample[1] if sample else ""
+    if stats["socket_errors"]:
+        detail = f"{stats['socket_errors']} socket errors/timeouts. {detail}"
+    return Load(
+        rate=stats["requests"] / (stats["duration_us"] / 1e6),
+        events_per_op=events,
+        p50_ms=stats["p50_us"] / 1000,
+        p99_ms=stats["p99_us"] / 1000,
+        errors=errors,
+        detail=detail,
+    )
+
+
+def pgbench(
+    dsn: str,
+    script: Path,
+    clients: int,
+    seconds: float,
+    defines: dict[str, object],
+    events: int,
+    protocol: str,
+    log_dir: Path | None = None,
+) -> Load:
+    """A pgbench run; with `log_dir`, p50/p99 come from its per-transaction log."""
+    command = ["pgbench", "--no-vacuum", "-c", str(clients), "-j", str(min(clients, CPUS))]
+    command += ["-T", str(max(1, round(seconds))), "-M", protocol, "-f", str(script)]
+    for name, value in defines.items():
+        command += ["-D", f"{name}={value}"]
+    if log_dir is not None:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        log_dir.mkdir(parents=True)
+        command += ["-l", f"--log-prefix={log_dir}/tx"]
+    command.append(dsn)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 60)
+    tps = re.search(r"^tps = ([\d.]+) \(without initial connection time\)", done.stdout, re.M)
+    failed = re.search(r"^number of failed transactions: (\d+)", done.stdout, re.M)
+    if done.returncode != 0 or tps is None:
+        return Load(0.0, events, math.nan, math.nan, 1, (done.stderr or done.stdout)[-2000:])
+    latencies: list[float] = []
+    if log_dir is not None:
+        for log in log_dir.glob("tx*"):
+            for line in log.read_text().splitlines():
+                latencies.append(int(line.split()[2]) / 1000)
+    errors = int(failed[1]) if failed else 0
+    return Load(
+        rate=float(tps[1]),
+        events_per_op=events,
+        p50_ms=percentile(latencies, 50),
+        p99_ms=percentile(latencies, 99),
+        errors=errors,
+        detail=done.stderr[-2000:] if errors else "",
+    )
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    dsn: str
+    base: str
+    tmp: Path
+    seconds: float
+    warmup: float
+    connections: int
+    tail_connections: int
+    read_connections: int
+    protocol: str
+
+    def __post_init__(self) -> None:
+        self.errors: list[str] = []
+
+    def check(self, name: str, load: Load) -> Load:
+        if load.errors:
+            self.errors.append(f"{name}: {load.errors} errors. {load.detail}".strip())
+        print(
+            f"  {name}: {load.events_per_s:,.0f} events/s, p50/p99"
+            f" {fmt(load.p50_ms, '.2f')}/{fmt(load.p99_ms, '.2f')} ms, errors {load.errors}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return load
+
+    def service_writes(self, name: str, script: str, conns: int, events: int = 1) -> Load:
+        """Warm up, then measure on empty tables."""
+        # Arguments of events.lua and batch.lua: key prefix, instances, lag, batch size.
+        args = [script[0], INSTANCES, conns, events]  # keys e1.. or b1.., as in the .sql
+        if self.warmup:
+            reset(self.dsn)
+            warm = wrk(self.base, script, conns, self.warmup, args, events)
+            self.check(f"{name} (warm-up)", warm)
+        reset(self.dsn)
+        load = wrk(self.base, script, conns, self.seconds, args, events)
+        return self.check(name, load)
+
+    def pgbench_writes(self, name: str, script: str, events: int, **defines: object) -> Load:
+        reset(self.dsn)
+        defines = {"instances": INSTANCES, "prev": 0, **defines}
+        load = pgbench(
+            self.dsn, BENCH / script, self.connections, self.seconds, defines, events, self.protocol
+        )
+        return self.check(name, load)
+
+    def single(self) -> tuple[Load, Load, Load]:
+        service_load = self.service_writes("single, service", "events.lua", self.connections)
+        pgbench_load = self.pgbench_writes("single, pgbench", "events.sql", 2)
+        tail_load = self.service_writes(
+            f"single at {self.tail_connections} connections, service",
+            "events.lua",
+            self.tail_connections,
+        )
+        return service_load, pgbench_load, tail_load
+
+    def batch_endpoint(self) -> int:
+        one = b'{"events":[{"instance_key":"probe","step_slug":"probe","kind":"declare"}]}'
+        return http_status("POST", f"{self.base}/v1/events", one)
+
+    def batch(self) -> tuple[Load, Load] | None:
+        status = self.batch_endpoint()
+        if status != 200:
+            self.errors.append(f"batch: skipped, POST /v1/events answered {status}")
+            print(f"  batch: skipped, POST /v1/events answered {status}", file=sys.stderr)
+            return None
+        service_load = self.service_writes(
+            "batch, service", "batch.lua", self.connections, BATCH_SIZE
+        )
+        pgbench_load = self.pgbench_writes(
+            "batch, pgbench", "batch.sql", BATCH_SIZE, size=BATCH_SIZE
+        )
+        return service_load, pgbench_load
+
+    def reads(self, records: int) -> dict[str, tuple[Load, Load]]:
+        """p50/p99 of the first page of a random instance, per order: service and pgbench."""
+        started = time.monotonic()
+        load_read_table(self.dsn, records)
+        print(
+            f"  loaded {records:,} records in {time.monotonic() - started:.0f} s", file=sys.stderr
+        )
+        instances = records // STEPS_PER_INSTANCE
+        conns = self.read_connections
+        if self.warmup:
+            args = ["r", instances, "ordinal", READ_LIMIT]
+            self.check("reads (warm-up)", wrk(self.base, "reads.lua", conns, self.warmup, args, 1))
+        results = {}
+        for order in ("ordinal", "started_at"):
+            name = f"reads order={order} at {records:,}"
+            args = ["r", instances, order, READ_LIMIT]
+            served = wrk(self.base, "reads.lua", conns, self.seconds, args, 1)
+            script = read_script(order, self.tmp / f"read_{order}.sql")
+            direct = pgbench(
+                self.dsn,
+                script,
+                conns,
+                self.seconds,
+                {"instances": instances},
+                1,
+                self.protocol,
+                self.tmp / "pgbench-log",
+            )
+            results[order] = (
+                self.check(f"{name}, service", served),
+                self.check(f"{name}, pgbench", direct),
+            )
+        return results
+
+
+# --- the report ------------------------------------------------------------------------------
+
+
+def machine(dsn: str) -> list[str]:
+    model = "unknown CPU"
+    with suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT version()").fetchone()
+    version = row[0] if row else "unknown"
+    wrk_version = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout
+    pgbench_version = subprocess.run(["pgbench", "--version"], capture_output=True, text=True)
+    return [
+        f"machine:    {CPUS} CPUs (nproc), {model}",
+        f"postgresql: {version}",
+        f"tools:      {wrk_version.split(' Copyright')[0].strip()};"
+        f" {pgbench_version.stdout.strip()}",
+        f"command:    {shlex.join(sys.orig_argv)}",
+    ]
+
+
+def verdict(value: float, target: float, at_least: bool) -> str:
+    if math.isnan(value):
+        return "n/a"
+    return "met" if (value >= target if at_least else value <= target) else "MISSED"
+
+
+def fmt(value: float, spec: str = ",.0f") -> str:
+    return "n/a" if math.isnan(value) else format(value, spec)
+
+
+def report(
+    bench: Bench,
+    header: list[str],
+    single: tuple[Load, Load, Load],
+    batch: tuple[Load, Load] | None,
+    reads: dict[int, dict[str, tuple[Load, Load]]],
+) -> str:
+    rows: list[tuple[str, str, str, str, str]] = []
+
+    def throughput(label: str, served: Load, direct: Load, target: float) -> None:
+        ratio = served.events_per_s / direct.events_per_s if direct.events_per_s else math.nan
+        rows.append(
+            (
+                label,
+                fmt(served.events_per_s),
+                fmt(direct.events_per_s),
+                f"{fmt(ratio, '.2f')}x",
+                f">= {target:.2f}x {verdict(ratio, target, True)}",
+            )
+        )
+
+    conns = bench.connections
+    throughput(f"single events/s, {conns} conn", single[0], single[1], TARGETS["single"])
+    if batch is None:
+        rows.append((f"batch events/s, {BATCH_SIZE}/request", "skipped", "", "", ""))
+    else:
+        label = f"batch events/s, {BATCH_SIZE}/request, {conns} conn"
+        throughput(label, batch[0], batch[1], TARGETS["batch"])
+    small, large = sorted(reads)
+    for order in ("ordinal", "started_at"):
+        for records in (small, large):
+            served, direct = reads[records][order]
+            rows.append(
+                (
+                    f"read {order}, {records:.0e} rows, p50/p99 ms".replace("+0", ""),
+                    f"{fmt(served.p50_ms, '.2f')} / {fmt(served.p99_ms, '.2f')}",
+                    f"{fmt(direct.p50_ms, '.2f')} / {fmt(direct.p99_ms, '.2f')}",
+                    f"{fmt(served.p50_ms / direct.p50_ms, '.2f')}x p50",
+                    "",
+                )
+            )
+        growth = [reads[large][order][i].p50_ms / reads[small][order][i].p50_ms for i in (0, 1)]
+        rows.append(
+            (
+                f"read {order}, p50 {large:.0e} / {small:.0e}".replace("+0", ""),
+                f"{fmt(growth[0], '.2f')}x",
+                f"{fmt(growth[1], '.2f')}x",
+                "",
+                f"<= {TARGETS['read_growth']:.1f}x "
+                + verdict(growth[0], TARGETS["read_growth"], False),
+            )
+        )
+    tail_load = single[2]
+    tail_ratio = tail_load.p99_ms / tail_load.p50_ms
+    rows.append(
+        (
+            f"single p99/p50, {bench.tail_connections} conn",
+            f"{fmt(tail_ratio, '.2f')}x ({fmt(tail_load.p50_ms, '.1f')}"
+            f"/{fmt(tail_load.p99_ms, '.1f')} ms)",
+            "",
+            "",
+            f"<= {TARGETS['tail']:.0f}x {verdict(tail_ratio, TARGETS['tail'], False)}",
+        )
+    )
+    titles = ("measurement", "service", "pgbench", "service/pgbench", "target")
+    widths = [max(len(row[i]) for row in [titles, *rows]) for i in range(5)]
+    lines = [*header, ""]
+    for row in [titles, *rows]:
+        cells = [row[0].ljust(widths[0])] + [
+            cell.rjust(w) for cell, w in zip(row[1:4], widths[1:4], strict=True)
+        ]
+        lines.append("  ".join([*cells, row[4]]).rstrip())
+    lines.append("")
+    lines.append(
+        f"{bench.seconds:g} s per load; writes over {INSTANCES} instances; reads limit="
+        f"{READ_LIMIT} at {bench.read_connections} connections; pgbench -M {bench.protocol}"
+    )
+    lines += [f"ERROR {error}" for error in bench.errors] or ["errors: none"]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=10, help="seconds per load (10)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 3 s loads, 10^5 rows as the large table"
+    )
+    parser.add_argument("--large", type=int, help="rows of the large read table (10^6)")
+    parser.add_argument("--connections", type=int, default=16)
+    parser.add_argument("--tail-connections", type=int, default=8)
+    parser.add_argument("--read-connections", type=int, default=8)
+    parser.add_argument(
+        "--pgbench-protocol", choices=("simple", "extended", "prepared"), default="simple"
+    )
+    args = parser.parse_args(argv)
+    seconds = 3.0 if args.quick and args.duration == 10 else args.duration
+    large = args.large or (10**5 if args.quick else 10**6)
+    if large % (4 * STEPS_PER_INSTANCE) or large <= SMALL_TABLE:
+        parser.error(f"--large must be a multiple of {4 * STEPS_PER_INSTANCE} above {SMALL_TABLE}")
+    missing = [tool for tool in ("wrk", "pgbench") if shutil.which(tool) is None]
+    if missing:
+        print(f"missing {', '.join(missing)}; install with: {INSTALL}", file=sys.stderr)
+        return 2
+
+    def terminate(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the finally blocks
+
+    signal.signal(signal.SIGTERM, terminate)
+    with (
+        tempfile.TemporaryDirectory(prefix="steprecord-bench-") as tmp_name,
+        postgres_server(Path(tmp_name)) as server,
+        fresh_database(server) as dsn,
+        service(dsn, Path(tmp_name) / "service.log") as base,
+    ):
+        header = machine(dsn)
+        print("\n".join(header), file=sys.stderr)
+        bench = Bench(
+            dsn=dsn,
+            base=base,
+            tmp=Path(tmp_name),
+            seconds=seconds,
+            warmup=min(2.0, seconds / 3),
+            connections=args.connections,
+            tail_connections=args.tail_connections,
+            read_connections=args.read_connections,
+            protocol=args.pgbench_protocol,
+        )
+        single = bench.single()
+        batch = bench.batch()
+        reads = {records: bench.reads(records) for records in (SMALL_TABLE, large)}
+        print(report(bench, header, single, batch, reads))
+    return 1 if bench.errors else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except (RuntimeError, psycopg.Error) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
