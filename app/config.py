@@ -4,6 +4,7 @@ import ipaddress
 import os
 from pathlib import Path
 
+from psycopg.conninfo import conninfo_to_dict
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -35,9 +36,14 @@ class Settings(BaseSettings):
 
 
 def redact(url: str) -> str:
-    """The URL with its password replaced by `***`, for logs and banners."""
+    """The URL (or key=value conninfo) with its password replaced by `***`."""
     scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
+    if not sep:
+        params = conninfo_to_dict(url)
+        if "password" in params:
+            params["password"] = "***"
+        return " ".join(f"{key}={value}" for key, value in params.items())
+    if "@" not in rest:
         return url
     userinfo, at, host = rest.rpartition("@")
     user, colon, _ = userinfo.partition(":")

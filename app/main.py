@@ -67,9 +67,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         description="One durable, database-guarded record per step of a process instance.",
         lifespan=lifespan,
+        routes=routes.router.routes,
     )
     errors.install(app)
-    app.include_router(routes.router)
     app.add_middleware(AccessControl)
     app.add_middleware(Observe)
     observe.configure_logging()

@@ -23,6 +23,7 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_SECONDS = Histogram(
@@ -91,6 +92,17 @@ def configure_logging() -> None:
     root.propagate = False
 
 
+def _template(scope: Scope) -> str:
+    """The route template; requests refused before routing (401, 403, 405) are looked up."""
+    route = scope.get("route")
+    if route is None:
+        for candidate in scope["app"].router.routes:
+            if candidate.matches(scope)[0] != Match.NONE:
+                route = candidate
+                break
+    return getattr(route, "path", None) or "unmatched"
+
+
 class Observe:
     """ASGI middleware: takes or makes the request id, echoes it, logs and times the request."""
 
@@ -123,8 +135,7 @@ class Observe:
             await self.app(scope, receive, send_with_id)
         finally:
             seconds = time.perf_counter() - began
-            route = scope.get("route")
-            template = getattr(route, "path", None) or "unmatched"
+            template = _template(scope)
             REQUEST_SECONDS.labels(scope["method"], template, str(status)).observe(seconds)
             _access.info(
                 "request",

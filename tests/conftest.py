@@ -5,14 +5,18 @@ server; without it they start an embedded PostgreSQL in a temporary directory.
 """
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -105,13 +109,14 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def start_server(
-    database_url: str, *extra: str, env: dict[str, str] | None = None
+    database_url: str, *extra: str, env: dict[str, str] | None = None, stdout: Any = None
 ) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--port", str(port), *extra],
         env={**os.environ, **(env or {}), "DATABASE_URL": database_url},
         cwd=ROOT,
+        stdout=stdout,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -122,13 +127,63 @@ def start_server(
     return url, proc
 
 
-@pytest.fixture(scope="session")
-def server_url(database_url: str) -> Iterator[str]:
-    url, proc = start_server(database_url)
+@contextmanager
+def pgbouncer(database_url: str) -> Iterator[str]:
+    """PgBouncer in transaction pool mode in front of the database; yields its URL."""
+    info = psycopg.conninfo.conninfo_to_dict(database_url)
+    workdir = Path(tempfile.mkdtemp(prefix="steprecord-pgbouncer-"))
+    if os.geteuid() == 0:  # PgBouncer will not run as root; it switches to nobody
+        shutil.chown(workdir, "nobody")
+    port = free_port()
+    ini = workdir / "pgbouncer.ini"
+    ini.write_text(
+        "[databases]\n"
+        f"* = host={info.get('host', '127.0.0.1')} port={info.get('port', 5432)} user=postgres\n"
+        "[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+        "auth_type = any\npool_mode = transaction\n"
+        "max_client_conn = 500\ndefault_pool_size = 20\n"
+        f"logfile = {workdir}/pgbouncer.log\npidfile = {workdir}/pgbouncer.pid\n"
+    )
+    ini.chmod(0o644)
+    command = ["pgbouncer", *(["-u", "nobody"] if os.geteuid() == 0 else []), str(ini)]
+    proc = subprocess.Popen(command, cwd=workdir)
+    url = psycopg.conninfo.make_conninfo(
+        "", host="127.0.0.1", port=port, user="postgres", dbname=str(info["dbname"])
+    )
     try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                with psycopg.connect(url, connect_timeout=2) as conn:
+                    conn.execute("SELECT 1")
+                break
+            except psycopg.OperationalError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
         yield url
     finally:
-        stop(proc)
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def server_url(database_url: str) -> Iterator[str]:
+    """The shared server; through PgBouncer with two workers when STEPRECORD_TEST_PGBOUNCER=1."""
+    with ExitStack() as stack:
+        url, extra = database_url, ()
+        if os.environ.get("STEPRECORD_TEST_PGBOUNCER") == "1":
+            url, extra = stack.enter_context(pgbouncer(database_url)), ("--workers", "2")
+        base, proc = start_server(url, *extra)
+        try:
+            yield base
+        finally:
+            stop(proc)
 
 
 @pytest.fixture(autouse=True)

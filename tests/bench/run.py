@@ -424,6 +424,11 @@ def verdict(value: float, target: float, at_least: bool) -> str:
     return "met" if (value >= target if at_least else value <= target) else "MISSED"
 
 
+def rows_label(records: int) -> str:
+    power = round(math.log10(records))
+    return f"10^{power}" if 10**power == records else f"{records:,}"
+
+
 def fmt(value: float, spec: str = ",.0f") -> str:
     return "n/a" if math.isnan(value) else format(value, spec)
 
@@ -462,7 +467,7 @@ def report(
             served, direct = reads[records][order]
             rows.append(
                 (
-                    f"read {order}, {records:.0e} rows, p50/p99 ms".replace("+0", ""),
+                    f"read {order}, {rows_label(records)} rows, p50/p99 ms",
                     f"{fmt(served.p50_ms, '.2f')} / {fmt(served.p99_ms, '.2f')}",
                     f"{fmt(direct.p50_ms, '.2f')} / {fmt(direct.p99_ms, '.2f')}",
                     f"{fmt(served.p50_ms / direct.p50_ms, '.2f')}x p50",
@@ -472,7 +477,7 @@ def report(
         growth = [reads[large][order][i].p50_ms / reads[small][order][i].p50_ms for i in (0, 1)]
         rows.append(
             (
-                f"read {order}, p50 {large:.0e} / {small:.0e}".replace("+0", ""),
+                f"read {order}, p50 {rows_label(large)} / {rows_label(small)}",
                 f"{fmt(growth[0], '.2f')}x",
                 f"{fmt(growth[1], '.2f')}x",
                 "",
