@@ -176,7 +176,8 @@ def pgbouncer(database_url: str) -> Iterator[str]:
 def server_url(database_url: str) -> Iterator[str]:
     """The shared server; through PgBouncer with two workers when STEPRECORD_TEST_PGBOUNCER=1."""
     with ExitStack() as stack:
-        url, extra = database_url, ()
+        url = database_url
+        extra: tuple[str, ...] = ()
         if os.environ.get("STEPRECORD_TEST_PGBOUNCER") == "1":
             url, extra = stack.enter_context(pgbouncer(database_url)), ("--workers", "2")
         base, proc = start_server(url, *extra)
