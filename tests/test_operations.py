@@ -1,7 +1,9 @@
 """Operations (contract §6, §8): metrics, request logs and ids, graceful shutdown, PgBouncer."""
 
 import json
+import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -175,6 +177,10 @@ def test_sigterm_finishes_in_flight_requests(own_database: str, workers: str) ->
     assert row == ("completed",)
 
 
+@pytest.mark.skipif(
+    shutil.which("pgbouncer") is None and not os.environ.get("CI"),
+    reason="PgBouncer is not installed (apt-get install pgbouncer); CI always runs this",
+)
 def test_works_behind_pgbouncer_in_transaction_mode(own_database: str) -> None:
     with pgbouncer(own_database) as bounced:
         url, proc = start_server(bounced, "--workers", "2")
