@@ -1,15 +1,11 @@
 """HTTP handlers: parse, call the data module, shape the response."""
 
-import base64
-import binascii
-from datetime import datetime
 from typing import Annotated, Any, Literal
 
-import orjson
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 
-from app import observe, schemas, steps
+from app import cursors, observe, schemas, steps
 from app.db import Pool
 from app.errors import Problem, to_problem, validation_problem
 from app.events import BODIES, KINDS, parse_batch_event, parse_envelope, parse_event
@@ -150,48 +146,6 @@ def _kind_of(item: Any) -> str:
 # --- reads -----------------------------------------------------------------------------
 
 
-def encode_cursor(kind: str, *position: Any) -> str:
-    raw = orjson.dumps([kind, *position], default=_cursor_default)
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def _cursor_default(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    raise TypeError
-
-
-def decode_cursor(cursor: str, kind: str, arity: int) -> list[Any]:
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        value = orjson.loads(raw)
-    except (binascii.Error, ValueError):
-        value = None
-    if not (isinstance(value, list) and len(value) == arity + 1 and value[0] == kind):
-        raise validation_problem(
-            [{"field": "cursor", "message": f"not a cursor of this listing ({kind})"}]
-        )
-    return value[1:]
-
-
-def _timestamp_or_none(value: Any) -> datetime | None:
-    if value is None:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value)
-    except (TypeError, ValueError):
-        parsed = None
-    if parsed is None or parsed.tzinfo is None:
-        raise validation_problem([{"field": "cursor", "message": "garbled cursor"}])
-    return parsed
-
-
-def _int(value: Any) -> int:
-    if type(value) is not int:
-        raise validation_problem([{"field": "cursor", "message": "garbled cursor"}])
-    return value
-
-
 def _statuses(status: str | None) -> list[str] | None:
     if status is None:
         return None
@@ -222,26 +176,17 @@ async def list_steps(
     fields: Literal["full", "summary"] = "full",
 ) -> Response:
     statuses = _statuses(status)
-    after: list[Any] | None = None
-    if cursor is not None:
-        if order == "ordinal":
-            after = [_int(decode_cursor(cursor, "o", 1)[0])]
-        else:
-            started_at, last_id = decode_cursor(cursor, "s", 2)
-            after = [_timestamp_or_none(started_at), _int(last_id)]
+    after = None if cursor is None else cursors.steps_position(order, cursor)
     async with _pool(request).connection() as conn:
         page = await steps.list_steps(
             conn, instance_key, order=order, after=after, statuses=statuses, limit=limit
         )
-    next_cursor = None
-    if page.last is not None:
-        if order == "ordinal":
-            next_cursor = encode_cursor("o", page.last["ordinal"])
-        else:
-            next_cursor = encode_cursor("s", page.last["started_at"], page.last["id"])
     summary = fields == "summary"
     return _json(
-        {"items": [record_json(r, summary) for r in page.items], "next_cursor": next_cursor}
+        {
+            "items": [record_json(r, summary) for r in page.items],
+            "next_cursor": None if page.last is None else cursors.steps_cursor(order, page.last),
+        }
     )
 
 
@@ -284,15 +229,10 @@ async def list_instances(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     cursor: str | None = None,
 ) -> Response:
-    before: list[Any] | None = None
-    if cursor is not None:
-        created_at, last_id = decode_cursor(cursor, "i", 2)
-        before = [_timestamp_or_none(created_at), _int(last_id)]
-        if before[0] is None:
-            raise validation_problem([{"field": "cursor", "message": "garbled cursor"}])
+    before = None if cursor is None else cursors.instances_position(cursor)
     async with _pool(request).connection() as conn:
         items, last = await steps.list_instances(conn, before=before, limit=limit)
-    next_cursor = None if last is None else encode_cursor("i", last["created_at"], last["id"])
+    next_cursor = None if last is None else cursors.instances_cursor(last)
     return _json({"items": items, "next_cursor": next_cursor})
 
 

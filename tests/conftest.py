@@ -199,6 +199,13 @@ def client(server_url: str) -> Iterator[httpx.Client]:
         yield c
 
 
+@pytest.fixture(scope="session")
+def shared_client(server_url: str) -> Iterator[httpx.Client]:
+    """A client for property tests, whose examples share one function-scoped setup."""
+    with httpx.Client(base_url=server_url, timeout=60) as c:
+        yield c
+
+
 @pytest.fixture
 def db(database_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
     """A raw connection inside a transaction that is rolled back after the test."""

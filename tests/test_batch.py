@@ -192,12 +192,6 @@ def summary(result: dict[str, Any]) -> Any:
     return result["status"], {k: result["record"][k] for k in COMPARED}
 
 
-@pytest.fixture(scope="module")
-def shared_client(server_url: str) -> Any:
-    with httpx.Client(base_url=server_url, timeout=60) as client:
-        yield client
-
-
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -12,7 +12,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -107,12 +106,6 @@ async def apply_concurrently(base_url: str, key: str, events: list[Event]) -> No
         )
     for (kind, body), response in zip(events, responses, strict=True):
         assert acceptable(response), (kind, body, response.text)
-
-
-@pytest.fixture(scope="module")
-def shared_client(server_url: str) -> Any:
-    with httpx.Client(base_url=server_url, timeout=60) as client:
-        yield client
 
 
 @settings(

@@ -1,0 +1,71 @@
+"""Opaque keyset cursors: the position of the last item of a page, as URL-safe base64 JSON."""
+
+import base64
+import binascii
+from datetime import datetime
+from typing import Any
+
+import orjson
+
+from app.errors import validation_problem
+from app.steps import Order
+
+
+def _encode(kind: str, *position: Any) -> str:
+    values = [v.isoformat() if isinstance(v, datetime) else v for v in position]
+    return base64.urlsafe_b64encode(orjson.dumps([kind, *values])).decode().rstrip("=")
+
+
+def _decode(cursor: str, kind: str, arity: int) -> list[Any]:
+    try:
+        value = orjson.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+    except (binascii.Error, ValueError):
+        value = None
+    if not (isinstance(value, list) and len(value) == arity + 1 and value[0] == kind):
+        raise _garbled(f"not a cursor of this listing ({kind})")
+    return value[1:]
+
+
+def _garbled(message: str = "garbled cursor") -> Exception:
+    return validation_problem([{"field": "cursor", "message": message}])
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int:
+        raise _garbled()
+    return value
+
+
+def _timestamp(value: Any, nullable: bool) -> datetime | None:
+    if value is None and nullable:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except (TypeError, ValueError):
+        raise _garbled() from None
+    if parsed.tzinfo is None:
+        raise _garbled()
+    return parsed
+
+
+def steps_cursor(order: Order, last: dict[str, Any]) -> str:
+    if order == "ordinal":
+        return _encode("o", last["ordinal"])
+    return _encode("s", last["started_at"], last["id"])
+
+
+def steps_position(order: Order, cursor: str) -> list[Any]:
+    """`(ordinal,)` or `(started_at or None, id)`: where the next page of steps starts."""
+    if order == "ordinal":
+        return [_int(_decode(cursor, "o", 1)[0])]
+    started_at, last_id = _decode(cursor, "s", 2)
+    return [_timestamp(started_at, nullable=True), _int(last_id)]
+
+
+def instances_cursor(last: dict[str, Any]) -> str:
+    return _encode("i", last["created_at"], last["id"])
+
+
+def instances_position(cursor: str) -> list[Any]:
+    created_at, last_id = _decode(cursor, "i", 2)
+    return [_timestamp(created_at, nullable=False), _int(last_id)]
