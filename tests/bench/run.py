@@ -70,7 +70,21 @@ class Load:
         return self.rate * self.events_per_op
 
 
-FAILED = Load(0.0, 1, math.nan, math.nan, 1)
+def median_of(loads: Sequence[Load]) -> Load:
+    """Rounds of one load as one: median rate and percentiles, all errors."""
+    first = loads[0]
+
+    def median(values: list[float]) -> float:
+        return percentile(values, 50)
+
+    return Load(
+        rate=median([load.rate for load in loads]),
+        events_per_op=first.events_per_op,
+        p50_ms=median([load.p50_ms for load in loads]),
+        p99_ms=median([load.p99_ms for load in loads]),
+        errors=sum(load.errors for load in loads),
+        detail=next((load.detail for load in loads if load.detail), ""),
+    )
 
 
 # --- the database and the service ------------------------------------------------------------
@@ -92,21 +106,21 @@ def postgres_server(tmp: Path) -> Iterator[str]:
 
 
 @contextmanager
-def fresh_database(server: str) -> Iterator[str]:
-    """A new, migrated database `steprecord_bench` on the server, dropped at the end."""
+def fresh_database(server: str, name: str) -> Iterator[str]:
+    """A new, migrated database on the server, dropped at the end."""
     with psycopg.connect(server, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {DB_NAME}")
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {name}")
     try:
-        dsn = make_conninfo(server, dbname=DB_NAME)
+        dsn = make_conninfo(server, dbname=name)
         migrate(dsn)
         yield dsn
     finally:
         try:
             with psycopg.connect(server, autocommit=True) as conn:
-                conn.execute(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")
+                conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         except psycopg.Error as exc:
-            print(f"warning: could not drop {DB_NAME}: {exc}", file=sys.stderr)
+            print(f"warning: could not drop {name}: {exc}", file=sys.stderr)
 
 
 def free_port() -> int:
@@ -216,7 +230,8 @@ def wrk(
 ) -> Load:
     """A wrk run with one of our Lua scripts; every non-2xx and socket error is an error."""
     command = ["wrk", "-t", str(min(connections, CPUS)), "-c", str(connections)]
-    command += ["-d", f"{seconds:g}s", "--timeout", "10s", "-s", str(BENCH / script), base]
+    command += ["-d", f"{max(1, round(seconds))}s", "--timeout", "10s"]
+    command += ["-s", str(BENCH / script), base]
     command += ["--", *map(str, args)]
     env = {**os.environ, "LUA_PATH": f"{BENCH}/?.lua;;"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=seconds + 60)
@@ -287,8 +302,10 @@ def pgbench(
 
 @dataclass
 class Bench:
-    dsn: str
-    base: str
+    dsn: str  # the writes and the small read table
+    base: str  # the service on it
+    large_dsn: str  # the large read table, in a database of its own
+    large_base: str  # a second service, on that one
     tmp: Path
     seconds: float
     warmup: float
@@ -299,6 +316,10 @@ class Bench:
 
     def __post_init__(self) -> None:
         self.errors: list[str] = []
+
+    @property
+    def read_rounds(self) -> int:
+        return max(2, min(5, round(self.seconds / 2)))
 
     def check(self, name: str, load: Load) -> Load:
         if load.errors:
@@ -359,37 +380,51 @@ class Bench:
         )
         return service_load, pgbench_load
 
-    def reads(self, records: int) -> dict[str, tuple[Load, Load]]:
-        """p50/p99 of the first page of a random instance, per order: service and pgbench."""
-        started = time.monotonic()
-        load_read_table(self.dsn, records)
-        print(
-            f"  loaded {records:,} records in {time.monotonic() - started:.0f} s", file=sys.stderr
-        )
-        instances = records // STEPS_PER_INSTANCE
-        conns = self.read_connections
-        if self.warmup:
-            args = ["r", instances, "ordinal", READ_LIMIT]
-            self.check("reads (warm-up)", wrk(self.base, "reads.lua", conns, self.warmup, args, 1))
-        results = {}
-        for order in ("ordinal", "started_at"):
-            name = f"reads order={order} at {records:,}"
-            args = ["r", instances, order, READ_LIMIT]
-            served = wrk(self.base, "reads.lua", conns, self.seconds, args, 1)
-            script = read_script(order, self.tmp / f"read_{order}.sql")
-            direct = pgbench(
-                self.dsn,
-                script,
-                conns,
-                self.seconds,
-                {"instances": instances},
-                1,
-                self.protocol,
-                self.tmp / "pgbench-log",
-            )
-            results[order] = (
-                self.check(f"{name}, service", served),
-                self.check(f"{name}, pgbench", direct),
+    def reads(self, large: int) -> dict[int, dict[str, tuple[Load, Load]]]:
+        """p50/p99 of the first page of a random instance: service and pgbench, per order.
+
+        The two tables live in two databases, each with its own service, so the loads can
+        alternate between them in rounds: other work on the machine then skews both alike.
+        """
+        tables = {SMALL_TABLE: (self.dsn, self.base), large: (self.large_dsn, self.large_base)}
+        for records, (dsn, base) in tables.items():
+            started = time.monotonic()
+            load_read_table(dsn, records)
+            elapsed = time.monotonic() - started
+            print(f"  loaded {records:,} records in {elapsed:.0f} s", file=sys.stderr)
+            if self.warmup:
+                args = ["r", records // STEPS_PER_INSTANCE, "ordinal", READ_LIMIT]
+                warm = wrk(base, "reads.lua", self.read_connections, self.warmup, args, 1)
+                self.check(f"reads at {records:,} (warm-up)", warm)
+        rounds = self.read_rounds
+        seconds = self.seconds / rounds
+        runs: dict[tuple[int, str], tuple[list[Load], list[Load]]] = {}
+        for turn in range(rounds):
+            for records in sorted(tables, reverse=bool(turn % 2)):
+                dsn, base = tables[records]
+                instances = records // STEPS_PER_INSTANCE
+                for order in ("ordinal", "started_at"):
+                    args = ["r", instances, order, READ_LIMIT]
+                    served = wrk(base, "reads.lua", self.read_connections, seconds, args, 1)
+                    direct = pgbench(
+                        dsn,
+                        read_script(order, self.tmp / f"read_{order}.sql"),
+                        self.read_connections,
+                        seconds,
+                        {"instances": instances},
+                        1,
+                        self.protocol,
+                        self.tmp / "pgbench-log",
+                    )
+                    service_runs, pgbench_runs = runs.setdefault((records, order), ([], []))
+                    service_runs.append(served)
+                    pgbench_runs.append(direct)
+        results: dict[int, dict[str, tuple[Load, Load]]] = {}
+        for (records, order), (service_runs, pgbench_runs) in sorted(runs.items()):
+            name = f"reads order={order} at {records:,}, {rounds} rounds"
+            results.setdefault(records, {})[order] = (
+                self.check(f"{name}, service", median_of(service_runs)),
+                self.check(f"{name}, pgbench", median_of(pgbench_runs)),
             )
         return results
 
@@ -410,7 +445,8 @@ def machine(dsn: str) -> list[str]:
     wrk_version = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout
     pgbench_version = subprocess.run(["pgbench", "--version"], capture_output=True, text=True)
     return [
-        f"machine:    {CPUS} CPUs (nproc), {model}",
+        f"machine:    {CPUS} CPUs (nproc), {model}; load average"
+        f" {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the start (other work skews it)",
         f"postgresql: {version}",
         f"tools:      {wrk_version.split(' Copyright')[0].strip()};"
         f" {pgbench_version.stdout.strip()}",
@@ -433,6 +469,14 @@ def fmt(value: float, spec: str = ",.0f") -> str:
     return "n/a" if math.isnan(value) else format(value, spec)
 
 
+def times(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.2f}x"
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
 def report(
     bench: Bench,
     header: list[str],
@@ -443,14 +487,14 @@ def report(
     rows: list[tuple[str, str, str, str, str]] = []
 
     def throughput(label: str, served: Load, direct: Load, target: float) -> None:
-        ratio = served.events_per_s / direct.events_per_s if direct.events_per_s else math.nan
+        quotient = ratio(served.events_per_s, direct.events_per_s)
         rows.append(
             (
                 label,
                 fmt(served.events_per_s),
                 fmt(direct.events_per_s),
-                f"{fmt(ratio, '.2f')}x",
-                f">= {target:.2f}x {verdict(ratio, target, True)}",
+                times(quotient),
+                f">= {target:.2f}x {verdict(quotient, target, True)}",
             )
         )
 
@@ -470,27 +514,29 @@ def report(
                     f"read {order}, {rows_label(records)} rows, p50/p99 ms",
                     f"{fmt(served.p50_ms, '.2f')} / {fmt(served.p99_ms, '.2f')}",
                     f"{fmt(direct.p50_ms, '.2f')} / {fmt(direct.p99_ms, '.2f')}",
-                    f"{fmt(served.p50_ms / direct.p50_ms, '.2f')}x p50",
+                    f"{times(ratio(served.p50_ms, direct.p50_ms))} p50",
                     "",
                 )
             )
-        growth = [reads[large][order][i].p50_ms / reads[small][order][i].p50_ms for i in (0, 1)]
+        growth = [
+            ratio(reads[large][order][i].p50_ms, reads[small][order][i].p50_ms) for i in (0, 1)
+        ]
         rows.append(
             (
                 f"read {order}, p50 {rows_label(large)} / {rows_label(small)}",
-                f"{fmt(growth[0], '.2f')}x",
-                f"{fmt(growth[1], '.2f')}x",
+                times(growth[0]),
+                times(growth[1]),
                 "",
                 f"<= {TARGETS['read_growth']:.1f}x "
                 + verdict(growth[0], TARGETS["read_growth"], False),
             )
         )
     tail_load = single[2]
-    tail_ratio = tail_load.p99_ms / tail_load.p50_ms
+    tail_ratio = ratio(tail_load.p99_ms, tail_load.p50_ms)
     rows.append(
         (
             f"single p99/p50, {bench.tail_connections} conn",
-            f"{fmt(tail_ratio, '.2f')}x ({fmt(tail_load.p50_ms, '.1f')}"
+            f"{times(tail_ratio)} ({fmt(tail_load.p50_ms, '.1f')}"
             f"/{fmt(tail_load.p99_ms, '.1f')} ms)",
             "",
             "",
@@ -508,7 +554,8 @@ def report(
     lines.append("")
     lines.append(
         f"{bench.seconds:g} s per load; writes over {INSTANCES} instances; reads limit="
-        f"{READ_LIMIT} at {bench.read_connections} connections; pgbench -M {bench.protocol}"
+        f"{READ_LIMIT} at {bench.read_connections} connection(s), median of"
+        f" {bench.read_rounds} alternating rounds; pgbench -M {bench.protocol}"
     )
     lines += [f"ERROR {error}" for error in bench.errors] or ["errors: none"]
     return "\n".join(lines)
@@ -523,7 +570,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--large", type=int, help="rows of the large read table (10^6)")
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--tail-connections", type=int, default=8)
-    parser.add_argument("--read-connections", type=int, default=8)
+    parser.add_argument(
+        "--read-connections",
+        type=int,
+        default=1,
+        help="clients of the read loads (1: the latency of a request, not of a queue)",
+    )
     parser.add_argument(
         "--pgbench-protocol", choices=("simple", "extended", "prepared"), default="simple"
     )
@@ -544,14 +596,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     with (
         tempfile.TemporaryDirectory(prefix="steprecord-bench-") as tmp_name,
         postgres_server(Path(tmp_name)) as server,
-        fresh_database(server) as dsn,
+        fresh_database(server, DB_NAME) as dsn,
+        fresh_database(server, f"{DB_NAME}_large") as large_dsn,
         service(dsn, Path(tmp_name) / "service.log") as base,
+        service(large_dsn, Path(tmp_name) / "service-large.log") as large_base,
     ):
         header = machine(dsn)
         print("\n".join(header), file=sys.stderr)
         bench = Bench(
             dsn=dsn,
             base=base,
+            large_dsn=large_dsn,
+            large_base=large_base,
             tmp=Path(tmp_name),
             seconds=seconds,
             warmup=min(2.0, seconds / 3),
@@ -562,7 +618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         single = bench.single()
         batch = bench.batch()
-        reads = {records: bench.reads(records) for records in (SMALL_TABLE, large)}
+        reads = bench.reads(large)
         print(report(bench, header, single, batch, reads))
     return 1 if bench.errors else 0
 
