@@ -69,6 +69,8 @@ NO_RECORD = ", ".join(["NULL"] * 13)
 # Positions: a record sits at (attempt_count, rank), rank pending 0, running 1, finished 2;
 # an event at (attempt, k), k declare 0, start 1, complete/fail 2. See the contract, §3.
 #
+# Its parameters are $1 the events' indexes, then one array per field of `PARAMS`, in order;
+# it runs on a raw cursor so the long text is sent as is, never re-parsed for placeholders.
 # One statement applies a set of events of distinct steps, in event order `i`: a single event
 # is a set of one. Server-assigned ordinals follow event order: with `s` the running count of
 # server-assigned new steps of an instance and `a` the running max of (client ordinal + 1 - s),
@@ -84,10 +86,8 @@ WITH e AS MATERIALIZED (
                        WHEN 'complete' THEN 'completed' ELSE 'failed' END AS target,
            (x.kind IN ('declare', 'start') OR x.started_at IS NOT NULL) AS can_create
     FROM unnest(
-        %(i)s::int[], %(instance_key)s::text[], %(step_slug)s::text[], %(kind)s::text[],
-        %(attempt)s::bigint[], %(started_at)s::timestamptz[], %(completed_at)s::timestamptz[],
-        %(output)s::text[], %(external_output_url)s::text[], %(error_code)s::text[],
-        %(error_message)s::text[], %(ordinal)s::bigint[]
+        $1::int[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::timestamptz[],
+        $7::timestamptz[], $8::text[], $9::text[], $10::text[], $11::text[], $12::bigint[]
     ) AS x(i, instance_key, step_slug, kind, attempt, started_at, completed_at, output, url,
            error_code, error_message, ordinal)
 ),
@@ -290,8 +290,11 @@ async def _apply_segment(
 ) -> None:
     pending = indexes
     for _ in range(MAX_TRIES):
+        # A set of events is planned for its size each time: a plan cached for one event
+        # would serve a hundred badly.
+        prepare = None if len(pending) == 1 else False
         try:
-            cur = await conn.execute(APPLY_EVENTS, _columns(events, pending))
+            rows = await _run(conn, _columns(events, pending), prepare)
         except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
             continue
         except (psycopg.errors.IntegrityError, psycopg.errors.DataError) as exc:
@@ -305,7 +308,7 @@ async def _apply_segment(
                 return
             outcomes[pending[0]] = _refusal(exc)
             return
-        for row in await cur.fetchall():
+        for row in rows:
             index = row.pop("i")
             outcome = row.pop("outcome")
             instance_key = events[index].instance_key
@@ -321,11 +324,16 @@ async def _apply_segment(
         )
 
 
-def _columns(events: Sequence[Event], indexes: list[int]) -> dict[str, list[Any]]:
-    columns: dict[str, list[Any]] = {"i": indexes}
-    for name in PARAMS:
-        columns[name] = [getattr(events[index], name) for index in indexes]
-    return columns
+async def _run(
+    conn: AsyncConn, params: list[list[Any]], prepare: bool | None
+) -> list[dict[str, Any]]:
+    async with psycopg.AsyncRawCursor(conn) as cur:
+        await cur.execute(APPLY_EVENTS, params, prepare=prepare)
+        return await cur.fetchall()
+
+
+def _columns(events: Sequence[Event], indexes: list[int]) -> list[list[Any]]:
+    return [indexes] + [[getattr(events[i], name) for i in indexes] for name in PARAMS]
 
 
 def _refusal(exc: psycopg.Error) -> Exception:

@@ -5,7 +5,7 @@
 -- Arguments (after `--`): key prefix, number of instances, LAG, SIZE.
 require "common"
 
-local headers = { ["Content-Type"] = "application/json" }
+local headers = with_token({ ["Content-Type"] = "application/json" })
 local prefix, instances, lag, half = "b", 5000, 16, 50
 local sent = {} -- ring of the last LAG batches' starts: { {instance, slug}..., time = t }
 local seq = 0

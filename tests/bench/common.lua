@@ -4,6 +4,16 @@
 
 local threads = {}
 
+-- With --token, run.py passes a write token: every request carries it.
+local token = os.getenv("STEPRECORD_BENCH_TOKEN")
+
+function with_token(headers)
+   if token then
+      headers["Authorization"] = "Bearer " .. token
+   end
+   return headers
+end
+
 function setup(thread)
    table.insert(threads, thread)
    thread:set("tid", #threads)

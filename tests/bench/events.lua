@@ -5,7 +5,7 @@
 -- Arguments (after `--`): key prefix, number of instances, LAG.
 require "common"
 
-local headers = { ["Content-Type"] = "application/json" }
+local headers = with_token({ ["Content-Type"] = "application/json" })
 local prefix, instances, lag = "e", 5000, 16
 local started = {} -- ring of the last LAG started steps: { path, time }
 local seq, completing = 0, false

@@ -14,5 +14,5 @@ end
 
 function request()
    local path = string.format("/v1/instances/%s%d/steps?%s", prefix, math.random(instances), query)
-   return wrk.format("GET", path)
+   return wrk.format("GET", path, with_token({}))
 end

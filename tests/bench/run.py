@@ -37,6 +37,7 @@ import psycopg  # noqa: E402
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
 from app import steps  # noqa: E402
+from app.access import new_token  # noqa: E402
 from app.cli import migrate  # noqa: E402
 from app.embedded import EmbeddedPostgres  # noqa: E402
 
@@ -172,6 +173,26 @@ def service(dsn: str, log: Path) -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)  # its own session: the workers too
                 proc.wait()
+
+
+@contextmanager
+def with_token(enabled: bool, *dsns: str) -> Iterator[None]:
+    """A write token in each database, before the services start, exported to the wrk scripts."""
+    if not enabled:
+        yield
+        return
+    token, digest = new_token()
+    for dsn in dsns:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO api_token (name, scope, token_sha256) VALUES ('bench', 'write', %s)",
+                (digest,),
+            )
+    os.environ["STEPRECORD_BENCH_TOKEN"] = token
+    try:
+        yield
+    finally:
+        del os.environ["STEPRECORD_BENCH_TOKEN"]
 
 
 def tail(path: Path, size: int = 3000) -> str:
@@ -579,6 +600,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--pgbench-protocol", choices=("simple", "extended", "prepared"), default="simple"
     )
+    parser.add_argument(
+        "--token", action="store_true", help="create a write token; every request carries it"
+    )
     args = parser.parse_args(argv)
     seconds = 3.0 if args.quick and args.duration == 10 else args.duration
     large = args.large or (10**5 if args.quick else 10**6)
@@ -598,6 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         postgres_server(Path(tmp_name)) as server,
         fresh_database(server, DB_NAME) as dsn,
         fresh_database(server, f"{DB_NAME}_large") as large_dsn,
+        with_token(args.token, dsn, large_dsn),
         service(dsn, Path(tmp_name) / "service.log") as base,
         service(large_dsn, Path(tmp_name) / "service-large.log") as large_base,
     ):
