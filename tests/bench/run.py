@@ -132,7 +132,10 @@ def free_port() -> int:
 
 
 def http_status(method: str, url: str, body: bytes | None = None) -> int:
-    request = urllib.request.Request(url, body, {"Content-Type": "application/json"}, method=method)
+    headers = {"Content-Type": "application/json"}
+    if token := os.environ.get("STEPRECORD_BENCH_TOKEN"):
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, body, headers, method=method)
     try:
         with HTTP.open(request, timeout=10) as response:
             status: int = response.status
