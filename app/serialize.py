@@ -20,21 +20,27 @@ class UnacceptableJSON(Exception):
     """JSON the service refuses: NUL, lone surrogates, NaN or Infinity (422)."""
 
 
+# An integer too long for 64 bits, which orjson would silently turn into a double.
+_LONG_INTEGER = re.compile(rb"\d{19,}")
+
+
 def loads(body: bytes) -> Any:
     if _ESCAPED_NUL.search(body):
         raise UnacceptableJSON("strings may not contain NUL (\\u0000)")
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        fast_error = str(exc)
-    # orjson refuses a few things that are still JSON (integers past 64 bits) and a few that
-    # are not (NaN, Infinity, lone surrogates); the standard parser tells them apart.
+    fast_error = None
+    if not _LONG_INTEGER.search(body):
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            fast_error = str(exc)
+    # The standard parser keeps long integers exact, and tells the JSON orjson refused from
+    # what is not JSON for the service (NaN, Infinity, lone surrogates).
     try:
         value = json.loads(body, parse_constant=_refuse_constant, parse_float=_finite_float)
     except UnacceptableJSON:
         raise
     except (ValueError, UnicodeDecodeError) as exc:
-        raise BadJSON(fast_error) from exc
+        raise BadJSON(fast_error or str(exc)) from exc
     _check_encodable(value)
     return value
 

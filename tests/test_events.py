@@ -261,3 +261,17 @@ def test_bare_start_at_the_last_attempt_is_a_conflict(client: httpx.Client) -> N
     post(client, "start", {"attempt": 2147483647})
     body = problem(post(client, "start"), 409, "conflict")
     assert body["current"]["attempt_count"] == 2147483647
+
+
+def test_long_integers_in_output_are_kept_exactly(client: httpx.Client) -> None:
+    content = (
+        b'{"started_at": "2026-12-02T10:00:01Z", "output": {"n": 123456789012345678901234567890}}'
+    )
+    response = client.post(
+        "/v1/instances/order-1/steps/charge/complete",
+        content=content,
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 201
+    assert b"123456789012345678901234567890" in response.content
+    assert record(client)["output"] == {"n": 123456789012345678901234567890}
