@@ -9,7 +9,7 @@ from app import cursors, observe, schemas, steps
 from app.db import Pool
 from app.errors import Problem, to_problem, validation_problem
 from app.events import BODIES, KINDS, parse_batch_event, parse_envelope, parse_event
-from app.models import NAME_PATTERN
+from app.models import NAME_PATTERN, STATUSES
 from app.serialize import BadJSON, UnacceptableJSON, dumps, loads, record_json
 
 MAX_BODY_BYTES = 2 * 1024 * 1024
@@ -150,10 +150,10 @@ def _statuses(status: str | None) -> list[str] | None:
     if status is None:
         return None
     values = [s.strip() for s in status.split(",") if s.strip()]
-    unknown = [s for s in values if s not in schemas.STATUSES]
+    unknown = [s for s in values if s not in STATUSES]
     if unknown or not values:
         raise validation_problem(
-            [{"field": "status", "message": f"one or more of {', '.join(schemas.STATUSES)}"}]
+            [{"field": "status", "message": f"one or more of {', '.join(STATUSES)}"}]
         )
     return values
 

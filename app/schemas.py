@@ -4,10 +4,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, JsonValue
 
-from app.models import STATUSES
-
-__all__ = ["STATUSES"]
-
 
 class Record(BaseModel):
     model_config = ConfigDict(extra="forbid")
