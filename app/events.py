@@ -85,15 +85,15 @@ BODIES: dict[Kind, type[_Body]] = {
 }
 
 
-def _errors(exc: ValidationError, prefix: str = "") -> list[dict[str, str]]:
+def _errors(exc: ValidationError) -> list[dict[str, str]]:
     return [
-        {"field": prefix + ".".join(str(p) for p in err["loc"]), "message": err["msg"]}
+        {"field": ".".join(str(p) for p in err["loc"]), "message": err["msg"]}
         for err in exc.errors(include_url=False)
     ]
 
 
 def check_names(**names: str) -> None:
-    """Refuse an instance key or step slug (from a path) that the format does not allow."""
+    """Refuse an instance key or step slug that the format does not allow."""
     bad = [
         {"field": field, "message": f"must match {NAME_PATTERN}"}
         for field, value in names.items()
