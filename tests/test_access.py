@@ -193,25 +193,10 @@ def test_public_address_without_tokens_refuses_to_start(scratch_database: str) -
 
 
 def test_insecure_no_auth_only_allows_starting_without_tokens(scratch_database: str) -> None:
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "app.cli",
-            "serve",
-            "--host",
-            "0.0.0.0",
-            "--port",
-            str(port),
-            "--insecure-no-auth",
-        ],
-        env={**os.environ, "DATABASE_URL": scratch_database, **REFRESH},
-        cwd=ROOT,
+    url, proc = start_server(
+        scratch_database, "--host", "0.0.0.0", "--insecure-no-auth", env=REFRESH
     )
-    url = f"http://127.0.0.1:{port}"
     try:
-        eventually(lambda: _ready(url), seconds=30)
         assert httpx.post(url + START).status_code == 201
         create_token(scratch_database, "first", "write")
         eventually(lambda: httpx.post(url + START).status_code == 401)
@@ -222,23 +207,9 @@ def test_insecure_no_auth_only_allows_starting_without_tokens(scratch_database: 
 def test_public_address_with_a_token_starts(scratch_database: str) -> None:
     migrate(scratch_database)
     token = insert_token(scratch_database, "ops", "read")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--host", "0.0.0.0", "--port", str(port)],
-        env={**os.environ, "DATABASE_URL": scratch_database},
-        cwd=ROOT,
-    )
-    url = f"http://127.0.0.1:{port}"
+    url, proc = start_server(scratch_database, "--host", "0.0.0.0")
     try:
-        eventually(lambda: _ready(url), seconds=30)
         assert httpx.get(url + "/v1/instances").status_code == 401
         assert httpx.get(url + "/v1/instances", headers=bearer(token)).status_code == 200
     finally:
         stop(proc)
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/readyz").status_code == 200
-    except httpx.TransportError:
-        return False
