@@ -33,6 +33,8 @@ class Settings(BaseSettings):
     insecure_no_auth: bool = False
     # How often each worker reloads the tokens (revocations take effect within this time).
     token_refresh_seconds: float = Field(default=2.0, gt=0, le=60)
+    # How often the sweeper fails running attempts whose lease expired; 0 turns it off.
+    sweep_seconds: float = Field(default=5.0, ge=0, le=3600)
 
 
 def redact(url: str) -> str:

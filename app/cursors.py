@@ -69,3 +69,21 @@ def instances_cursor(last: dict[str, Any]) -> str:
 def instances_position(cursor: str) -> list[Any]:
     created_at, last_id = _decode(cursor, "i", 2)
     return [_timestamp(created_at, nullable=False), _int(last_id)]
+
+
+def recent_cursor(last: dict[str, Any]) -> str:
+    return _encode("u", last["updated_at"], last["id"])
+
+
+def recent_position(cursor: str) -> list[Any]:
+    """`(updated_at, id)` of the last record seen, across instances."""
+    updated_at, last_id = _decode(cursor, "u", 2)
+    return [_timestamp(updated_at, nullable=False), _int(last_id)]
+
+
+def attempts_cursor(last: dict[str, Any]) -> str:
+    return _encode("a", last["attempt"])
+
+
+def attempts_position(cursor: str) -> int:
+    return _int(_decode(cursor, "a", 1)[0])

@@ -32,6 +32,7 @@ TITLES = {
     "not_started": "Step not started",
     "conflict": "Conflicting event",
     "stale_attempt": "Stale attempt",
+    "not_running": "Attempt not running",
     "ordinal_taken": "Ordinal taken",
     "instance_not_found": "Instance not found",
     "step_not_found": "Step not found",

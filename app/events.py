@@ -22,7 +22,8 @@ from app.models import MAX_INT4, MAX_MESSAGE_BYTES, MAX_URL_CHARS, NAME_PATTERN,
 from app.serialize import dumps_value
 from app.steps import Event, Kind
 
-KINDS: tuple[Kind, ...] = ("declare", "start", "complete", "fail")
+KINDS: tuple[Kind, ...] = ("declare", "start", "complete", "fail", "heartbeat")
+MAX_LEASE_SECONDS = 86400
 _NAME = re.compile(NAME_PATTERN.removeprefix("^").removesuffix("$"))
 
 
@@ -37,6 +38,7 @@ Attempt = Annotated[StrictInt, Field(ge=1, le=MAX_INT4)]
 Ordinal = Annotated[StrictInt, Field(ge=0, le=MAX_INT4)]
 Timestamp = Annotated[AwareDatetime, BeforeValidator(_rfc3339_text)]
 Url = Annotated[StrictStr, Field(pattern=URL_PATTERN, max_length=MAX_URL_CHARS)]
+LeaseSeconds = Annotated[StrictInt, Field(ge=1, le=MAX_LEASE_SECONDS)]
 
 
 class _Body(BaseModel):
@@ -51,6 +53,12 @@ class StartBody(_Body):
     attempt: Attempt | None = None
     started_at: Timestamp | None = None
     ordinal: Ordinal | None = None
+    lease_seconds: LeaseSeconds | None = None
+
+
+class HeartbeatBody(_Body):
+    attempt: Attempt
+    lease_seconds: LeaseSeconds
 
 
 class _FinishBody(_Body):
@@ -82,6 +90,7 @@ BODIES: dict[Kind, type[_Body]] = {
     "start": StartBody,
     "complete": CompleteBody,
     "fail": FailBody,
+    "heartbeat": HeartbeatBody,
 }
 
 

@@ -11,7 +11,7 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 from fastapi import FastAPI
 
-from app import errors, observe, routes, schemas
+from app import errors, observe, routes, schemas, sweeper
 from app.access import AccessControl, Tokens
 from app.config import Settings, is_loopback
 from app.db import DatabaseUnavailable, Pool
@@ -55,11 +55,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.pool, app.state.tokens, app.state.schema_head = pool, tokens, schema_head()
         with contextlib.suppress(DatabaseUnavailable, SchemaMissing):
             await tokens.load()
-        reloading = asyncio.create_task(tokens.keep_loading())
+        tasks = [asyncio.create_task(tokens.keep_loading())]
+        if settings.sweep_seconds > 0:
+            tasks.append(asyncio.create_task(sweeper.keep_sweeping(pool, settings.sweep_seconds)))
         try:
             yield
         finally:
-            reloading.cancel()
+            for task in tasks:
+                task.cancel()
             await pool.close()
 
     app = FastAPI(

@@ -12,6 +12,7 @@ from sqlalchemy import (
     Column,
     DateTime,
     ForeignKey,
+    ForeignKeyConstraint,
     Identity,
     Index,
     Integer,
@@ -35,6 +36,8 @@ SQLModel.metadata.naming_convention = {
 metadata: MetaData = SQLModel.metadata
 
 STATUSES = ("pending", "running", "completed", "failed")
+ATTEMPT_STATUSES = ("running", "completed", "failed", "superseded")
+LEASED = "status = 'running' AND lease_expires_at IS NOT NULL"
 NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$"
 URL_PATTERN = "^[A-Za-z][A-Za-z0-9+.-]*://"
 MAX_OUTPUT_BYTES = 1024 * 1024
@@ -72,7 +75,20 @@ class WorkflowStepRecord(SQLModel, table=True):
     __table_args__ = (
         UniqueConstraint("instance_id", "step_slug"),
         UniqueConstraint("instance_id", "ordinal"),
+        UniqueConstraint("instance_id", "id"),
         Index(None, "instance_id", "started_at", "id"),
+        Index(None, "status", "updated_at", "id"),
+        Index(
+            "ix_workflow_step_record_leased_updated_at_id",
+            "updated_at",
+            "id",
+            postgresql_where=text(LEASED),
+        ),
+        Index(
+            "ix_workflow_step_record_leased_lease_expires_at",
+            "lease_expires_at",
+            postgresql_where=text(LEASED),
+        ),
         CheckConstraint(f"step_slug ~ '{NAME_PATTERN}'", name="step_slug_format"),
         CheckConstraint(f"ordinal BETWEEN 0 AND {MAX_INT4}", name="ordinal_range"),
         CheckConstraint(
@@ -115,6 +131,9 @@ class WorkflowStepRecord(SQLModel, table=True):
             " AND error_code IS NOT NULL AND output IS NULL AND external_output_url IS NULL)",
             name="failed_content",
         ),
+        CheckConstraint(
+            "lease_expires_at IS NULL OR status = 'running'", name="lease_only_running"
+        ),
     )
 
     id: int | None = Field(
@@ -137,6 +156,89 @@ class WorkflowStepRecord(SQLModel, table=True):
     )
     error_code: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     error_message: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    created_at: datetime = Field(sa_column=_now())
+    updated_at: datetime = Field(sa_column=_now())
+    # Set while a running attempt holds a lease; the sweeper fails it once expired.
+    lease_expires_at: datetime | None = Field(
+        default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
+    )
+
+
+def _content_checks(states: dict[str, str]) -> list[CheckConstraint]:
+    return [
+        CheckConstraint(f"status <> '{status}' OR ({rule})", name=f"{status}_content")
+        for status, rule in states.items()
+    ]
+
+
+class WorkflowStepAttempt(SQLModel, table=True):
+    """One attempt of a record: written by the record's triggers (see the migration), never
+    directly; a finished or superseded attempt never changes."""
+
+    __tablename__ = "workflow_step_attempt"
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["instance_id", "record_id"],
+            ["workflow_step_record.instance_id", "workflow_step_record.id"],
+            ondelete="CASCADE",
+        ),
+        UniqueConstraint("record_id", "attempt"),
+        CheckConstraint(
+            "status IN (" + ", ".join(f"'{s}'" for s in ATTEMPT_STATUSES) + ")",
+            name="status_known",
+        ),
+        CheckConstraint("attempt >= 1", name="attempt_positive"),
+        CheckConstraint(
+            "output IS NULL OR external_output_url IS NULL", name="output_inline_xor_external"
+        ),
+        CheckConstraint(f"octet_length(output::text) <= {MAX_OUTPUT_BYTES}", name="output_size"),
+        CheckConstraint(
+            f"external_output_url ~ '{URL_PATTERN}'"
+            f" AND char_length(external_output_url) <= {MAX_URL_CHARS}",
+            name="external_output_url_format",
+        ),
+        CheckConstraint(f"error_code ~ '{NAME_PATTERN}'", name="error_code_format"),
+        CheckConstraint(
+            f"octet_length(error_message) <= {MAX_MESSAGE_BYTES}", name="error_message_size"
+        ),
+        CheckConstraint("started_at <= completed_at", name="timing"),
+        *_content_checks(
+            {
+                "running": "started_at IS NOT NULL AND completed_at IS NULL"
+                " AND output IS NULL AND external_output_url IS NULL"
+                " AND error_code IS NULL AND error_message IS NULL",
+                "completed": "started_at IS NOT NULL AND completed_at IS NOT NULL"
+                " AND error_code IS NULL AND error_message IS NULL",
+                "failed": "started_at IS NOT NULL AND completed_at IS NOT NULL"
+                " AND error_code IS NOT NULL AND output IS NULL AND external_output_url IS NULL",
+                "superseded": "started_at IS NOT NULL AND completed_at IS NOT NULL"
+                " AND output IS NULL AND external_output_url IS NULL"
+                " AND error_code IS NULL AND error_message IS NULL",
+            }
+        ),
+    )
+
+    id: int | None = Field(
+        default=None, sa_column=Column(BigInteger, Identity(always=True), primary_key=True)
+    )
+    instance_id: int = Field(sa_column=Column(BigInteger, nullable=False))
+    record_id: int = Field(sa_column=Column(BigInteger, nullable=False))
+    attempt: int = Field(sa_column=Column(Integer, nullable=False))
+    status: str = Field(sa_column=Column(Text, nullable=False))
+    started_at: datetime | None = Field(
+        default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
+    )
+    completed_at: datetime | None = Field(
+        default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
+    )
+    output: object | None = Field(default=None, sa_column=Column(JSONB, nullable=True))
+    external_output_url: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    error_code: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    error_message: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    # The last lease the attempt held (kept once it ended).
+    lease_expires_at: datetime | None = Field(
+        default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
+    )
     created_at: datetime = Field(sa_column=_now())
     updated_at: datetime = Field(sa_column=_now())
 

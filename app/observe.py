@@ -39,16 +39,16 @@ POOL = Gauge(
     ["state"],
     multiprocess_mode="livesum",
 )
-OUTCOMES = frozenset({"created", "applied", "replay", "conflict", "stale_attempt"})
+OUTCOMES = frozenset({"created", "applied", "replay", "conflict", "stale_attempt", "swept"})
 
 request_id: ContextVar[str] = ContextVar("request_id", default="-")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _access = logging.getLogger("steprecord.request")
 
 
-def count_event(kind: str, outcome: str) -> None:
-    """Count one event; anything that is not one of the outcomes above was refused."""
-    EVENTS.labels(kind, outcome if outcome in OUTCOMES else "refused").inc()
+def count_event(kind: str, outcome: str, amount: int = 1) -> None:
+    """Count events; anything that is not one of the outcomes above was refused."""
+    EVENTS.labels(kind, outcome if outcome in OUTCOMES else "refused").inc(amount)
 
 
 def pool_changed(in_use: int, waiting: int) -> None:

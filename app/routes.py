@@ -4,13 +4,14 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
+from pydantic import AwareDatetime
 
 from app import cursors, observe, schemas, steps
 from app.db import Pool
 from app.errors import Problem, to_problem, validation_problem
 from app.events import BODIES, KINDS, parse_batch_event, parse_envelope, parse_event
 from app.models import NAME_PATTERN, STATUSES
-from app.serialize import BadJSON, UnacceptableJSON, dumps, loads, record_json
+from app.serialize import BadJSON, UnacceptableJSON, attempt_json, dumps, loads, record_json
 
 MAX_BODY_BYTES = 2 * 1024 * 1024
 MAX_BATCH_BYTES = 16 * 1024 * 1024
@@ -19,6 +20,14 @@ REFUSALS = {
     "stale_attempt": (409, "a newer attempt has superseded this one"),
     "not_started": (409, "the step has no start to complete or fail"),
     "ordinal_taken": (409, "no ordinal is left for a new step of this instance"),
+    "not_running": (409, "that attempt is not running: it finished, or has not started"),
+}
+SUMMARIES = {
+    "declare": "Declare a step (pending)",
+    "start": "Report that an attempt started",
+    "complete": "Report that an attempt completed",
+    "fail": "Report that an attempt failed",
+    "heartbeat": "Extend the lease of a running attempt",
 }
 
 router = APIRouter()
@@ -88,10 +97,12 @@ def _event_route(kind: steps.Kind) -> None:
         handler,
         methods=["POST"],
         name=f"{kind}_step",
-        summary=f"Report a `{kind}` event",
+        summary=SUMMARIES[kind],
         tags=["events"],
         responses=schemas.event_responses(),
-        openapi_extra=schemas.request_body(BODIES[kind], required=kind in ("complete", "fail")),
+        openapi_extra=schemas.request_body(
+            BODIES[kind], required=kind in ("complete", "fail", "heartbeat")
+        ),
     )
 
 
@@ -205,6 +216,72 @@ async def get_step(
     async with _pool(request).connection() as conn:
         record = await steps.get_step(conn, instance_key, step_slug)
     return _json(record_json(record, fields == "summary"))
+
+
+@router.get(
+    "/v1/instances/{instance_key}/steps/{step_slug}/attempts",
+    tags=["reads"],
+    summary="Every attempt of a step, in attempt order",
+    responses=schemas.read_responses(schemas.AttemptPage),
+)
+async def list_attempts(
+    request: Request,
+    instance_key: InstanceKey,
+    step_slug: StepSlug,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    cursor: str | None = None,
+    fields: Literal["full", "summary"] = "full",
+) -> Response:
+    after = None if cursor is None else cursors.attempts_position(cursor)
+    async with _pool(request).connection() as conn:
+        page = await steps.list_attempts(conn, instance_key, step_slug, after=after, limit=limit)
+    return _json(
+        {
+            "items": [attempt_json(a, fields == "summary") for a in page.items],
+            "next_cursor": None if page.last is None else cursors.attempts_cursor(page.last),
+        }
+    )
+
+
+@router.get(
+    "/v1/steps",
+    tags=["reads"],
+    summary="Step records across instances, newest updated_at first",
+    responses=schemas.read_responses(schemas.RecordPage),
+)
+async def list_recent_steps(
+    request: Request,
+    status: Annotated[
+        str | None, Query(description="Comma-separated statuses, e.g. running,failed")
+    ] = None,
+    updated_after: Annotated[
+        AwareDatetime | None, Query(description="Only records updated after this time")
+    ] = None,
+    lease_expired: Annotated[
+        Literal["true"] | None,
+        Query(description="`true`: only running steps whose lease has expired"),
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    cursor: str | None = None,
+    fields: Literal["full", "summary"] = "full",
+) -> Response:
+    statuses = _statuses(status) or list(STATUSES)
+    before = None if cursor is None else cursors.recent_position(cursor)
+    async with _pool(request).connection() as conn:
+        page = await steps.list_recent(
+            conn,
+            statuses=statuses,
+            updated_after=updated_after,
+            lease_expired=lease_expired == "true",
+            before=before,
+            limit=limit,
+        )
+    return _json(
+        {
+            "items": [record_json(r, fields == "summary") for r in page.items],
+            "next_cursor": None if page.last is None else cursors.recent_cursor(page.last),
+        }
+    )
 
 
 @router.get(

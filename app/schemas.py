@@ -18,6 +18,7 @@ class Record(BaseModel):
     external_output_url: str | None
     started_at: str | None
     completed_at: str | None
+    lease_expires_at: str | None
     error_code: str | None
     error_message: str | None = None
     created_at: str
@@ -26,6 +27,27 @@ class Record(BaseModel):
 
 class RecordPage(BaseModel):
     items: list[Record]
+    next_cursor: str | None
+
+
+class Attempt(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    attempt: int
+    status: str
+    started_at: str
+    completed_at: str | None
+    lease_expires_at: str | None
+    output: JsonValue = None
+    external_output_url: str | None
+    error_code: str | None
+    error_message: str | None = None
+    created_at: str
+    updated_at: str
+
+
+class AttemptPage(BaseModel):
+    items: list[Attempt]
     next_cursor: str | None
 
 
@@ -88,7 +110,7 @@ def event_responses() -> dict[int | str, dict[str, Any]]:
         200: {"model": Record, "description": "Applied to, or replayed on, an existing record"},
         201: {"model": Record, "description": "Created the record"},
         400: _problem("Body is not JSON"),
-        409: _problem("conflict, stale_attempt, not_started or ordinal_taken"),
+        409: _problem("conflict, stale_attempt, not_started, not_running or ordinal_taken"),
         413: _problem("Output or body too large"),
         422: _problem("Invalid request"),
         503: _problem("Database unavailable"),
@@ -135,7 +157,7 @@ def batch_responses() -> dict[int | str, dict[str, Any]]:
 
 
 def batch_request_body() -> dict[str, Any]:
-    kinds = {"type": "string", "enum": ["declare", "start", "complete", "fail"]}
+    kinds = {"type": "string", "enum": ["declare", "start", "complete", "fail", "heartbeat"]}
     event = {
         "type": "object",
         "required": ["instance_key", "step_slug", "kind"],

@@ -108,6 +108,20 @@ RECORD_KEYS = (
     "external_output_url",
     "started_at",
     "completed_at",
+    "lease_expires_at",
+    "error_code",
+    "error_message",
+    "created_at",
+    "updated_at",
+)
+ATTEMPT_KEYS = (
+    "attempt",
+    "status",
+    "started_at",
+    "completed_at",
+    "lease_expires_at",
+    "output",
+    "external_output_url",
     "error_code",
     "error_message",
     "created_at",
@@ -115,14 +129,21 @@ RECORD_KEYS = (
 )
 
 
-def record_json(record: dict[str, Any], summary: bool = False) -> dict[str, Any]:
+def record_json(
+    record: dict[str, Any], summary: bool = False, keys: tuple[str, ...] = RECORD_KEYS
+) -> dict[str, Any]:
     """A record as the API shows it, with the stored output embedded without re-parsing."""
-    out = {key: record[key] for key in RECORD_KEYS}
+    out = {key: record[key] for key in keys}
     if summary:
         del out["output"], out["error_message"]
     elif out["output"] is not None:
         out["output"] = orjson.Fragment(out["output"])
     return out
+
+
+def attempt_json(attempt: dict[str, Any], summary: bool = False) -> dict[str, Any]:
+    """An attempt of a record's history, shaped like a record."""
+    return record_json(attempt, summary, ATTEMPT_KEYS)
 
 
 def dumps(value: Any) -> bytes:

@@ -14,9 +14,16 @@ import psycopg
 
 from app.db import AsyncConn
 
-Kind = Literal["declare", "start", "complete", "fail"]
+Kind = Literal["declare", "start", "complete", "fail", "heartbeat"]
 Outcome = Literal[
-    "created", "applied", "replay", "conflict", "stale_attempt", "not_started", "ordinal_taken"
+    "created",
+    "applied",
+    "replay",
+    "conflict",
+    "stale_attempt",
+    "not_started",
+    "not_running",
+    "ordinal_taken",
 ]
 Order = Literal["ordinal", "started_at"]
 
@@ -34,6 +41,7 @@ class Event:
     error_code: str | None = None
     error_message: str | None = None
     ordinal: int | None = None
+    lease_seconds: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,12 +70,15 @@ class Contention(Exception):
 RECORD = (
     "{r}.id, {r}.step_slug, {r}.ordinal, {r}.status, {r}.attempt_count,"
     " {r}.output::text AS output, {r}.external_output_url, {r}.started_at, {r}.completed_at,"
-    " {r}.error_code, {r}.error_message, {r}.created_at, {r}.updated_at"
+    " {r}.error_code, {r}.error_message, {r}.created_at, {r}.updated_at, {r}.lease_expires_at"
 )
-NO_RECORD = ", ".join(["NULL"] * 13)
+NO_RECORD = ", ".join(["NULL"] * 14)
 
 # Positions: a record sits at (attempt_count, rank), rank pending 0, running 1, finished 2;
 # an event at (attempt, k), k declare 0, start 1, complete/fail 2. See the contract, §3.
+#
+# A start's lease runs from the database clock; only a start carries `lease_seconds`, so every
+# other event clears the lease.
 #
 # Its parameters are $1 the events' indexes, then one array per field of `PARAMS`, in order;
 # it runs on a raw cursor so the long text is sent as is, never re-parsed for placeholders.
@@ -80,6 +91,7 @@ APPLY_EVENTS = f"""
 WITH e AS MATERIALIZED (
     SELECT x.i, x.instance_key, x.step_slug, x.kind, x.attempt, x.started_at, x.completed_at,
            x.output::jsonb AS output, x.url, x.error_code, x.error_message, x.ordinal,
+           clock_timestamp() + x.lease_seconds * interval '1 second' AS lease_expires_at,
            clock_timestamp() AS now,
            CASE x.kind WHEN 'declare' THEN 0 WHEN 'start' THEN 1 ELSE 2 END AS k,
            CASE x.kind WHEN 'declare' THEN 'pending' WHEN 'start' THEN 'running'
@@ -87,9 +99,10 @@ WITH e AS MATERIALIZED (
            (x.kind IN ('declare', 'start') OR x.started_at IS NOT NULL) AS can_create
     FROM unnest(
         $1::int[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::timestamptz[],
-        $7::timestamptz[], $8::text[], $9::text[], $10::text[], $11::text[], $12::bigint[]
+        $7::timestamptz[], $8::text[], $9::text[], $10::text[], $11::text[], $12::bigint[],
+        $13::int[]
     ) AS x(i, instance_key, step_slug, kind, attempt, started_at, completed_at, output, url,
-           error_code, error_message, ordinal)
+           error_code, error_message, ordinal, lease_seconds)
 ),
 known AS (
     SELECT p.id, p.instance_key FROM process_instance p
@@ -147,6 +160,7 @@ upd AS (
         external_output_url = e.url,
         error_code = e.error_code,
         error_message = e.error_message,
+        lease_expires_at = e.lease_expires_at,
         updated_at = e.now
     FROM dec d JOIN e ON e.i = d.i
     WHERE r.id = d.id AND d.outcome = 'applied'
@@ -202,13 +216,14 @@ inst AS (
 ins AS (
     INSERT INTO workflow_step_record AS r (
         instance_id, step_slug, ordinal, status, attempt_count, output, external_output_url,
-        started_at, completed_at, error_code, error_message, created_at, updated_at)
+        started_at, completed_at, error_code, error_message, lease_expires_at, created_at,
+        updated_at)
     SELECT inst.id, e.step_slug, a.ordinal, e.target,
            CASE WHEN e.k = 0 THEN 1 ELSE COALESCE(e.attempt, 1) END,
            e.output, e.url,
            CASE WHEN e.k > 0 THEN COALESCE(e.started_at, e.now) END,
            CASE WHEN e.k = 2 THEN COALESCE(e.completed_at, GREATEST(e.now, e.started_at)) END,
-           e.error_code, e.error_message, e.now, e.now
+           e.error_code, e.error_message, e.lease_expires_at, e.now, e.now
     FROM assigned a
     JOIN e ON e.i = a.i
     JOIN inst ON inst.instance_key = a.instance_key
@@ -248,7 +263,49 @@ PARAMS = (
     "error_code",
     "error_message",
     "ordinal",
+    "lease_seconds",
 )
+
+# A heartbeat extends the lease of the running attempt it names, under the record's row lock;
+# it never changes status, times or attempt_count. Parameters: the events' indexes, then one
+# array per field of `HEARTBEAT_PARAMS`.
+HEARTBEAT = f"""
+WITH e AS MATERIALIZED (
+    SELECT x.*, clock_timestamp() AS now
+    FROM unnest($1::int[], $2::text[], $3::text[], $4::bigint[], $5::int[])
+        AS x(i, instance_key, step_slug, attempt, lease_seconds)
+),
+cur AS (
+    SELECT e.i, r.* FROM e
+    JOIN process_instance p ON p.instance_key = e.instance_key
+    JOIN workflow_step_record r ON r.instance_id = p.id AND r.step_slug = e.step_slug
+    ORDER BY r.id
+    FOR UPDATE OF r
+),
+dec AS (
+    SELECT cur.i, cur.id,
+        CASE WHEN e.attempt < cur.attempt_count THEN 'stale_attempt'
+             WHEN cur.status = 'pending' THEN 'not_started'
+             WHEN e.attempt > cur.attempt_count OR cur.status <> 'running' THEN 'not_running'
+             ELSE 'applied' END AS outcome
+    FROM cur JOIN e ON e.i = cur.i
+),
+upd AS (
+    UPDATE workflow_step_record r SET
+        lease_expires_at = e.now + e.lease_seconds * interval '1 second',
+        updated_at = e.now
+    FROM dec d JOIN e ON e.i = d.i
+    WHERE r.id = d.id AND d.outcome = 'applied'
+    RETURNING d.i, r.*
+)
+SELECT upd.i, 'applied' AS outcome, {RECORD.format(r="upd")} FROM upd
+UNION ALL
+SELECT d.i, d.outcome, {RECORD.format(r="cur")} FROM dec d JOIN cur ON cur.i = d.i
+WHERE d.outcome <> 'applied'
+UNION ALL
+SELECT e.i, 'not_started', {NO_RECORD} FROM e WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.i = e.i)
+"""
+HEARTBEAT_PARAMS = ("instance_key", "step_slug", "attempt", "lease_seconds")
 
 Outcomes = list[Result | Exception]
 
@@ -288,13 +345,31 @@ async def _apply_segment(
     indexes: list[int],
     outcomes: list[Result | Exception | None],
 ) -> None:
+    """Apply events of distinct steps: they cannot affect each other, so heartbeats and the
+    other events go in one statement each."""
+    beats = [index for index in indexes if events[index].kind == "heartbeat"]
+    others = [index for index in indexes if events[index].kind != "heartbeat"]
+    if beats:
+        await _apply_statement(conn, HEARTBEAT, HEARTBEAT_PARAMS, events, beats, outcomes)
+    if others:
+        await _apply_statement(conn, APPLY_EVENTS, PARAMS, events, others, outcomes)
+
+
+async def _apply_statement(
+    conn: AsyncConn,
+    statement: str,
+    names: Sequence[str],
+    events: Sequence[Event],
+    indexes: list[int],
+    outcomes: list[Result | Exception | None],
+) -> None:
     pending = indexes
     for _ in range(MAX_TRIES):
         # A set of events is planned for its size each time: a plan cached for one event
         # would serve a hundred badly.
         prepare = None if len(pending) == 1 else False
         try:
-            rows = await _run(conn, _columns(events, pending), prepare)
+            rows = await _run(conn, statement, _columns(events, pending, names), prepare)
         except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
             continue
         except (psycopg.errors.IntegrityError, psycopg.errors.DataError) as exc:
@@ -304,7 +379,7 @@ async def _apply_segment(
                 continue
             if len(pending) > 1:  # find which event was refused: one statement each
                 for index in pending:
-                    await _apply_segment(conn, events, [index], outcomes)
+                    await _apply_statement(conn, statement, names, events, [index], outcomes)
                 return
             outcomes[pending[0]] = _refusal(exc)
             return
@@ -325,15 +400,15 @@ async def _apply_segment(
 
 
 async def _run(
-    conn: AsyncConn, params: list[list[Any]], prepare: bool | None
+    conn: AsyncConn, statement: str, params: list[list[Any]], prepare: bool | None
 ) -> list[dict[str, Any]]:
     async with psycopg.AsyncRawCursor(conn) as cur:
-        await cur.execute(APPLY_EVENTS, params, prepare=prepare)
+        await cur.execute(statement, params, prepare=prepare)
         return await cur.fetchall()
 
 
-def _columns(events: Sequence[Event], indexes: list[int]) -> list[list[Any]]:
-    return [indexes] + [[getattr(events[i], name) for i in indexes] for name in PARAMS]
+def _columns(events: Sequence[Event], indexes: list[int], names: Sequence[str]) -> list[list[Any]]:
+    return [indexes] + [[getattr(events[i], name) for i in indexes] for name in names]
 
 
 def _refusal(exc: psycopg.Error) -> Exception:
@@ -515,6 +590,156 @@ async def list_instances(
     if len(rows) > limit:
         return rows[:limit], rows[limit - 1]
     return rows, None
+
+
+ATTEMPT = (
+    "a.attempt, a.status, a.started_at, a.completed_at, a.output::text AS output,"
+    " a.external_output_url, a.error_code, a.error_message, a.lease_expires_at,"
+    " a.created_at, a.updated_at"
+)
+
+LIST_ATTEMPTS = f"""
+SELECT r.id AS record_id, a.*
+FROM process_instance p
+LEFT JOIN workflow_step_record r ON r.instance_id = p.id AND r.step_slug = %(step_slug)s
+LEFT JOIN LATERAL (
+    SELECT {ATTEMPT} FROM workflow_step_attempt a
+    WHERE a.record_id = r.id AND a.attempt > %(after_attempt)s
+    ORDER BY a.attempt
+    LIMIT %(limit)s
+) a ON true
+WHERE p.instance_key = %(instance_key)s
+"""
+
+
+async def list_attempts(
+    conn: AsyncConn, instance_key: str, step_slug: str, *, after: int | None, limit: int
+) -> Page:
+    """One page of a step's attempts in attempt order; `after` is the last attempt seen."""
+    cur = await conn.execute(
+        LIST_ATTEMPTS,
+        {
+            "instance_key": instance_key,
+            "step_slug": step_slug,
+            "after_attempt": 0 if after is None else after,
+            "limit": limit + 1,
+        },
+    )
+    rows = await cur.fetchall()
+    if not rows:
+        raise InstanceNotFound(instance_key)
+    if rows[0]["record_id"] is None:
+        raise StepNotFound(step_slug)
+    items = [row for row in rows if row["attempt"] is not None]
+    for item in items:
+        del item["record_id"]
+    if len(items) > limit:
+        return Page(items[:limit], items[limit - 1])
+    return Page(items, None)
+
+
+def _recent_branch(status: str, *, updated_after: bool, lease_expired: bool) -> str:
+    """Records of one status, newest `updated_at` first, read backwards from an index."""
+    where = [f"r.status = '{status}'", "(r.updated_at, r.id) < (%(before)s, %(before_id)s)"]
+    if updated_after:
+        where.append("r.updated_at > %(updated_after)s")
+    if lease_expired:
+        where += ["r.lease_expires_at IS NOT NULL", "r.lease_expires_at < clock_timestamp()"]
+    return (
+        f"SELECT r.instance_id, {RECORD.format(r='r')} FROM workflow_step_record r"
+        f" WHERE {' AND '.join(where)}"
+    )
+
+
+def list_recent_query(statuses: Sequence[str], *, updated_after: bool, lease_expired: bool) -> str:
+    """Records of the given statuses across instances, newest `updated_at` first.
+
+    One branch per status, merged in order (a Merge Append of backward index scans on
+    `(status, updated_at, id)`, or on the partial index of leased records), so no filter sorts.
+    """
+    branches = " UNION ALL ".join(
+        _recent_branch(s, updated_after=updated_after, lease_expired=lease_expired)
+        for s in statuses
+    )
+    return f"""
+SELECT (SELECT p.instance_key FROM process_instance p WHERE p.id = s.instance_id)
+           AS instance_key, s.*
+FROM ({branches} ORDER BY updated_at DESC, id DESC LIMIT %(limit)s) s
+"""
+
+
+async def list_recent(
+    conn: AsyncConn,
+    *,
+    statuses: Sequence[str],
+    updated_after: datetime | None,
+    lease_expired: bool,
+    before: Sequence[Any] | None,
+    limit: int,
+) -> Page:
+    """Records across instances, newest `updated_at` first; `before` is `(updated_at, id)`
+    of the last one seen. `lease_expired` keeps running records whose lease has expired."""
+    if lease_expired:
+        statuses = [s for s in statuses if s == "running"]
+    if not statuses:
+        return Page([], None)
+    query = list_recent_query(
+        statuses, updated_after=updated_after is not None, lease_expired=lease_expired
+    )
+    before_at, before_id = before if before else ("infinity", 0)
+    cur = await conn.execute(
+        query,
+        {
+            "before": before_at,
+            "before_id": before_id if before else 0,
+            "updated_after": updated_after,
+            "limit": limit + 1,
+        },
+    )
+    rows = await cur.fetchall()
+    for row in rows:
+        del row["instance_id"]
+    if len(rows) > limit:
+        return Page(rows[:limit], rows[limit - 1])
+    return Page(rows, None)
+
+
+# The sweeper: fail every running attempt whose lease expired, as a `fail` event of that attempt
+# would (error `lease_expired`, `completed_at` = the expiry), in one statement. SKIP LOCKED
+# lets several sweepers (workers, service instances) run at once without ever writing the same
+# record twice, and FOR UPDATE re-checks the lease on the newest row version, so a heartbeat
+# that committed first keeps its attempt alive.
+SWEEP = """
+WITH due AS (
+    SELECT r.id FROM workflow_step_record r
+    WHERE r.status = 'running' AND r.lease_expires_at IS NOT NULL
+      AND r.lease_expires_at < clock_timestamp()
+    ORDER BY r.lease_expires_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE workflow_step_record r SET
+    status = 'failed',
+    completed_at = GREATEST(r.lease_expires_at, r.started_at),
+    error_code = 'lease_expired',
+    error_message = 'no heartbeat, complete or fail arrived before the lease expired',
+    lease_expires_at = NULL,
+    updated_at = clock_timestamp()
+FROM due
+WHERE r.id = due.id
+RETURNING r.id
+"""
+SWEEP_BATCH = 500
+
+
+async def sweep_expired(conn: AsyncConn) -> int:
+    """Fail the running attempts whose lease expired; the number of records swept."""
+    swept = 0
+    while True:
+        cur = await conn.execute(SWEEP, {"limit": SWEEP_BATCH})
+        swept += cur.rowcount
+        if cur.rowcount < SWEEP_BATCH:
+            return swept
 
 
 async def schema_revision(conn: AsyncConn) -> str | None:

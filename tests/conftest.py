@@ -180,7 +180,8 @@ def server_url(database_url: str) -> Iterator[str]:
         extra: tuple[str, ...] = ()
         if os.environ.get("STEPRECORD_TEST_PGBOUNCER") == "1":
             url, extra = stack.enter_context(pgbouncer(database_url)), ("--workers", "2")
-        base, proc = start_server(url, *extra)
+        # A quick sweeper, so lease tests wait about a second, not five.
+        base, proc = start_server(url, *extra, env={"STEPRECORD_SWEEP_SECONDS": "0.2"})
         try:
             yield base
         finally:
@@ -190,7 +191,10 @@ def server_url(database_url: str) -> Iterator[str]:
 @pytest.fixture(autouse=True)
 def _clean_tables(database_url: str) -> None:
     with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute("TRUNCATE workflow_step_record, process_instance RESTART IDENTITY")
+        conn.execute(
+            "TRUNCATE workflow_step_attempt, workflow_step_record, process_instance"
+            " RESTART IDENTITY"
+        )
 
 
 @pytest.fixture
