@@ -646,25 +646,29 @@ def _recent_branch(status: str, *, updated_after: bool, lease_expired: bool) -> 
     if lease_expired:
         where += ["r.lease_expires_at IS NOT NULL", "r.lease_expires_at < clock_timestamp()"]
     return (
-        f"SELECT r.instance_id, {RECORD.format(r='r')} FROM workflow_step_record r"
+        f"(SELECT r.instance_id, {RECORD.format(r='r')} FROM workflow_step_record r"
         f" WHERE {' AND '.join(where)}"
+        " ORDER BY r.updated_at DESC, r.id DESC LIMIT %(limit)s)"
     )
 
 
 def list_recent_query(statuses: Sequence[str], *, updated_after: bool, lease_expired: bool) -> str:
     """Records of the given statuses across instances, newest `updated_at` first.
 
-    One branch per status, merged in order (a Merge Append of backward index scans on
-    `(status, updated_at, id)`, or on the partial index of leased records), so no filter sorts.
+    One branch per status, each a backward scan of `(status, updated_at, id)` (or of the
+    partial index of leased records) merged in order by a Merge Append, so no filter sorts.
     """
-    branches = " UNION ALL ".join(
+    branches = [
         _recent_branch(s, updated_after=updated_after, lease_expired=lease_expired)
         for s in statuses
-    )
+    ]
+    merged = " UNION ALL ".join(branches)
+    if len(branches) > 1:
+        merged += " ORDER BY updated_at DESC, id DESC LIMIT %(limit)s"
     return f"""
 SELECT (SELECT p.instance_key FROM process_instance p WHERE p.id = s.instance_id)
            AS instance_key, s.*
-FROM ({branches} ORDER BY updated_at DESC, id DESC LIMIT %(limit)s) s
+FROM ({merged}) s
 """
 
 

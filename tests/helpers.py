@@ -42,3 +42,15 @@ def problem(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
     assert body["status"] == status
     assert {"type", "title", "detail"} <= body.keys()
     return body
+
+
+def attempts(client: httpx.Client, instance: str = "order-1", step: str = "charge") -> Any:
+    """Every attempt of a step's history, in attempt order."""
+    response = client.get(f"{step_path(instance, step)}/attempts", params={"limit": 1000})
+    assert response.status_code == 200, response.text
+    return response.json()["items"]
+
+
+def history(client: httpx.Client, instance: str = "order-1", step: str = "charge") -> Any:
+    """The history in short: `(attempt, status)` of each attempt."""
+    return [(a["attempt"], a["status"]) for a in attempts(client, instance, step)]
