@@ -84,11 +84,6 @@ class WorkflowStepRecord(SQLModel, table=True):
             "id",
             postgresql_where=text(LEASED),
         ),
-        Index(
-            "ix_workflow_step_record_leased_lease_expires_at",
-            "lease_expires_at",
-            postgresql_where=text(LEASED),
-        ),
         CheckConstraint(f"step_slug ~ '{NAME_PATTERN}'", name="step_slug_format"),
         CheckConstraint(f"ordinal BETWEEN 0 AND {MAX_INT4}", name="ordinal_range"),
         CheckConstraint(

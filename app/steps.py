@@ -718,7 +718,6 @@ WITH due AS (
     SELECT r.id FROM workflow_step_record r
     WHERE r.status = 'running' AND r.lease_expires_at IS NOT NULL
       AND r.lease_expires_at < clock_timestamp()
-    ORDER BY r.lease_expires_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )

@@ -13,10 +13,11 @@ Why each statement is here:
    carries the owner, so both tables can later be partitioned or distributed by instance.
 3. `ix_workflow_step_record_status_updated_at_id` serves `GET /v1/steps` (newest `updated_at`
    first, across instances): one backward range per status, merged, so no filter sorts.
-4. Two partial indexes over running records that hold a lease (few rows: only steps in flight):
-   `ix_workflow_step_record_leased_updated_at_id` serves `GET /v1/steps?lease_expired=true`
-   in `updated_at` order, `ix_workflow_step_record_leased_lease_expires_at` lets the sweeper
-   find expired leases oldest first.
+4. `ix_workflow_step_record_leased_updated_at_id`, a partial index of running records that
+   hold a lease (few rows: only steps in flight), serves `GET /v1/steps?lease_expired=true` in
+   `updated_at` order with no sort, and lets the sweeper find expired leases without reading
+   the table. (A second index on `lease_expires_at` would let the planner trade the first for
+   a sort, and costs every heartbeat one more index write.)
 5. `workflow_step_attempt`: one row per attempt of a record, `UNIQUE (record_id, attempt)`,
    owned through `(instance_id, record_id)` with `ON DELETE CASCADE`. Its named CHECKs mirror
    the record's, plus `superseded` (a running attempt overtaken by a higher one: started, no
@@ -80,10 +81,6 @@ def upgrade() -> None:
     op.execute(
         "CREATE INDEX ix_workflow_step_record_leased_updated_at_id"
         f" ON workflow_step_record (updated_at, id) WHERE {LEASED}"
-    )
-    op.execute(
-        "CREATE INDEX ix_workflow_step_record_leased_lease_expires_at"
-        f" ON workflow_step_record (lease_expires_at) WHERE {LEASED}"
     )
     op.execute(f"""
         CREATE TABLE workflow_step_attempt (
@@ -250,7 +247,6 @@ def downgrade() -> None:
     op.execute("DROP FUNCTION workflow_step_record_history_insert()")
     op.execute("DROP TABLE workflow_step_attempt")
     op.execute("DROP FUNCTION workflow_step_attempt_guard()")
-    op.execute("DROP INDEX ix_workflow_step_record_leased_lease_expires_at")
     op.execute("DROP INDEX ix_workflow_step_record_leased_updated_at_id")
     op.execute("DROP INDEX ix_workflow_step_record_status_updated_at_id")
     op.execute(

@@ -1,0 +1,326 @@
+"""What the database refuses and keeps for the history (raw SQL): `workflow_step_attempt`.
+
+The history is written only by the record's triggers, so every write to the record — even a
+hand-written `UPDATE` — keeps it true (README, "Attempt history").
+"""
+
+from typing import Any
+
+import psycopg
+import pytest
+
+from app import steps
+from app.models import STATUSES
+from tests.test_schema import BASE, T1, T2, Conn, insert, refused
+
+T3 = "2026-12-02T10:00:03Z"
+GUARD = "tr_workflow_step_attempt_guard"
+
+
+@pytest.fixture
+def instance_id(db: Conn) -> int:
+    row = db.execute(
+        "INSERT INTO process_instance (instance_key) VALUES ('run-1') RETURNING id"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def history(db: Conn, record_id: int) -> list[tuple[Any, ...]]:
+    return db.execute(
+        "SELECT attempt, status, started_at::text, completed_at::text, output::text,"
+        " error_code FROM workflow_step_attempt WHERE record_id = %s ORDER BY attempt",
+        (record_id,),
+    ).fetchall()
+
+
+def update(db: Conn, record_id: int, **change: Any) -> None:
+    sets = ", ".join(f"{column} = %s" for column in change)
+    db.execute(
+        f"UPDATE workflow_step_record SET {sets} WHERE id = %s", [*change.values(), record_id]
+    )
+
+
+def test_a_pending_record_has_no_history(db: Conn, instance_id: int) -> None:
+    assert history(db, insert(db, instance_id)) == []
+
+
+def test_a_hand_written_update_keeps_the_history_true(db: Conn, instance_id: int) -> None:
+    record_id = insert(db, instance_id)
+    update(db, record_id, status="running", started_at=T1)
+    assert history(db, record_id) == [(1, "running", "2026-12-02 10:00:01+00", None, None, None)]
+    update(db, record_id, status="failed", completed_at=T2, error_code="Boom")
+    update(
+        db,
+        record_id,
+        status="running",
+        attempt_count=2,
+        started_at=T2,
+        completed_at=None,
+        error_code=None,
+    )
+    update(db, record_id, attempt_count=3, started_at=T3)
+    update(db, record_id, status="completed", completed_at=T3, output='{"a": 1}')
+    assert history(db, record_id) == [
+        (1, "failed", "2026-12-02 10:00:01+00", "2026-12-02 10:00:02+00", None, "Boom"),
+        (2, "superseded", "2026-12-02 10:00:02+00", "2026-12-02 10:00:03+00", None, None),
+        (3, "completed", "2026-12-02 10:00:03+00", "2026-12-02 10:00:03+00", '{"a": 1}', None),
+    ]
+
+
+def test_a_record_inserted_finished_starts_its_history_finished(db: Conn, instance_id: int) -> None:
+    record_id = insert(db, instance_id, **{**BASE["failed"], "attempt_count": 4})
+    assert [row[:2] for row in history(db, record_id)] == [(4, "failed")]
+
+
+def test_an_update_that_changes_nothing_shown_leaves_the_history_alone(
+    db: Conn, instance_id: int
+) -> None:
+    record_id = insert(db, instance_id, **BASE["completed"])
+    before = db.execute("SELECT xmin::text, updated_at FROM workflow_step_attempt").fetchall()
+    update(db, record_id, updated_at="2030-01-01T00:00:00Z")
+    after = db.execute("SELECT xmin::text, updated_at FROM workflow_step_attempt").fetchall()
+    assert before == after
+
+
+def test_a_running_attempt_mirrors_the_lease_and_a_finished_one_keeps_it(
+    db: Conn, instance_id: int
+) -> None:
+    record_id = insert(db, instance_id, **BASE["running"], lease_expires_at=T2)
+    update(db, record_id, lease_expires_at=T3)
+    update(db, record_id, status="completed", completed_at=T3, lease_expires_at=None)
+    row = db.execute("SELECT status, lease_expires_at::text FROM workflow_step_attempt").fetchone()
+    assert row == ("completed", "2026-12-02 10:00:03+00")
+
+
+def test_deleting_a_record_deletes_its_history(db: Conn, instance_id: int) -> None:
+    record_id = insert(db, instance_id, **BASE["running"])
+    db.execute("DELETE FROM workflow_step_record WHERE id = %s", (record_id,))
+    assert history(db, record_id) == []
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "INSERT INTO workflow_step_attempt (instance_id, record_id, attempt, status, started_at)"
+        " SELECT instance_id, id, 9, 'running', started_at FROM workflow_step_record",
+        "UPDATE workflow_step_attempt SET started_at = started_at - interval '1 s'",
+        "UPDATE workflow_step_attempt SET status = 'failed', completed_at = now(),"
+        " error_code = 'Fake'",
+        "DELETE FROM workflow_step_attempt",
+    ],
+    ids=["insert", "update-running", "update-to-failed", "delete"],
+)
+def test_the_history_refuses_direct_writes(db: Conn, instance_id: int, sql: str) -> None:
+    insert(db, instance_id, **BASE["running"])
+    refused(db, GUARD, sql)
+
+
+def test_a_finished_attempt_never_changes_even_from_a_trigger(db: Conn, instance_id: int) -> None:
+    """The guard's second line: a write that comes through a trigger still cannot change a
+    finished attempt (a poke table's trigger stands in for a future buggy trigger)."""
+    insert(db, instance_id, **BASE["failed"])
+    db.execute("CREATE TEMP TABLE poke (x int)")
+    db.execute("""
+        CREATE FUNCTION pg_temp.poke() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN UPDATE workflow_step_attempt SET error_message = 'rewritten'; RETURN NULL; END $$
+    """)
+    db.execute(
+        "CREATE TRIGGER poke AFTER INSERT ON poke FOR EACH ROW EXECUTE FUNCTION pg_temp.poke()"
+    )
+    refused(db, GUARD, "INSERT INTO poke VALUES (1)")
+
+
+VALID_ATTEMPT = {
+    "running": {"status": "running", "started_at": T1},
+    "completed": {"status": "completed", "started_at": T1, "completed_at": T2, "output": "1"},
+    "failed": {"status": "failed", "started_at": T1, "completed_at": T2, "error_code": "E"},
+    "superseded": {"status": "superseded", "started_at": T1, "completed_at": T2},
+}
+FORBIDDEN_ATTEMPTS: list[tuple[str, str, dict[str, Any]]] = [
+    ("status_known", "running", {"status": "pending"}),
+    ("attempt_positive", "running", {"attempt": 0}),
+    ("output_inline_xor_external", "completed", {"external_output_url": "s3://b/k"}),
+    ("output_size", "completed", {"output": '"' + "x" * 1048575 + '"'}),
+    ("external_output_url_format", "completed", {"output": None, "external_output_url": "x"}),
+    ("error_code_format", "failed", {"error_code": "no spaces"}),
+    ("error_message_size", "failed", {"error_message": "é" * 32769}),
+    ("timing", "completed", {"started_at": T2, "completed_at": T1}),
+    ("running_content", "running", {"started_at": None}),
+    ("running_content", "running", {"completed_at": T2}),
+    ("running_content", "running", {"output": "1"}),
+    ("running_content", "running", {"error_code": "E"}),
+    ("completed_content", "completed", {"completed_at": None}),
+    ("completed_content", "completed", {"error_message": "m"}),
+    ("failed_content", "failed", {"error_code": None}),
+    ("failed_content", "failed", {"output": "1"}),
+    ("failed_content", "failed", {"started_at": None}),
+    ("superseded_content", "superseded", {"completed_at": None}),
+    ("superseded_content", "superseded", {"error_code": "E"}),
+    ("superseded_content", "superseded", {"external_output_url": "s3://b/k"}),
+]
+
+
+def _insert_attempt(db: Conn, record_id: int, fields: dict[str, Any]) -> None:
+    values = {"attempt": 7, **fields}
+    columns = ", ".join(["instance_id", "record_id", *values])
+    marks = ", ".join(["%s"] * len(values))
+    db.execute(
+        f"INSERT INTO workflow_step_attempt ({columns})"
+        f" SELECT instance_id, id, {marks} FROM workflow_step_record WHERE id = %s",
+        [*values.values(), record_id],
+    )
+
+
+@pytest.fixture
+def unguarded(db: Conn, instance_id: int) -> int:
+    """A record, with the history's write guard off for this (rolled back) transaction, so the
+    CHECKs themselves can be tried; returns the record's id."""
+    db.execute(f"ALTER TABLE workflow_step_attempt DISABLE TRIGGER {GUARD}")
+    return insert(db, instance_id, **BASE["running"])
+
+
+@pytest.mark.parametrize("status", VALID_ATTEMPT)
+def test_valid_attempt_shapes_are_accepted(db: Conn, unguarded: int, status: str) -> None:
+    _insert_attempt(db, unguarded, VALID_ATTEMPT[status])
+
+
+@pytest.mark.parametrize(("constraint", "status", "change"), FORBIDDEN_ATTEMPTS)
+def test_forbidden_attempts_are_refused_by_their_named_constraint(
+    db: Conn, unguarded: int, constraint: str, status: str, change: dict[str, Any]
+) -> None:
+    with pytest.raises(psycopg.errors.IntegrityError) as caught, db.transaction():
+        _insert_attempt(db, unguarded, {**VALID_ATTEMPT[status], **change})
+    assert caught.value.diag.constraint_name == f"ck_workflow_step_attempt_{constraint}"
+
+
+def test_an_attempt_belongs_to_a_record_of_its_own_instance(db: Conn, unguarded: int) -> None:
+    other = db.execute("INSERT INTO process_instance (instance_key) VALUES ('run-2') RETURNING id")
+    row = other.fetchone()
+    assert row is not None
+    with pytest.raises(psycopg.errors.IntegrityError) as caught, db.transaction():
+        db.execute(
+            "INSERT INTO workflow_step_attempt (instance_id, record_id, attempt, status,"
+            " started_at) VALUES (%s, %s, 5, 'running', now())",
+            (row[0], unguarded),
+        )
+    assert caught.value.diag.constraint_name == (
+        "fk_workflow_step_attempt_instance_id_workflow_step_record"
+    )
+    with pytest.raises(psycopg.errors.IntegrityError) as caught, db.transaction():
+        _insert_attempt(db, unguarded, {**VALID_ATTEMPT["running"], "attempt": 1})
+    assert caught.value.diag.constraint_name == "uq_workflow_step_attempt_record_id_attempt"
+
+
+@pytest.mark.parametrize("status", ["pending", "completed", "failed"])
+def test_only_a_running_record_holds_a_lease(db: Conn, instance_id: int, status: str) -> None:
+    values = {"step_slug": "s", "ordinal": 0, "attempt_count": 1, **BASE[status]}
+    columns = ", ".join(["instance_id", *values, "lease_expires_at"])
+    marks = ", ".join(["%s"] * (len(values) + 2))
+    refused(
+        db,
+        "ck_workflow_step_record_lease_only_running",
+        f"INSERT INTO workflow_step_record ({columns}) VALUES ({marks})",
+        [instance_id, *values.values(), T2],
+    )
+
+
+def test_the_backfill_gives_every_started_record_its_current_attempt(
+    scratch_database: str,
+) -> None:
+    from alembic import command
+
+    from app.main import alembic_config
+
+    config = alembic_config()
+    config.attributes["database_url"] = scratch_database
+    command.upgrade(config, "0002")
+    with psycopg.connect(scratch_database) as conn:
+        conn.execute("INSERT INTO process_instance (instance_key) VALUES ('old')")
+        for slug, fields in (
+            ("p", BASE["pending"]),
+            ("r", {**BASE["running"], "attempt_count": 2}),
+            ("f", {**BASE["failed"], "attempt_count": 3}),
+        ):
+            values = {
+                "instance_id": 1,
+                "step_slug": slug,
+                "ordinal": ord(slug),
+                "attempt_count": 1,
+                **fields,
+            }
+            conn.execute(
+                f"INSERT INTO workflow_step_record ({', '.join(values)})"
+                f" VALUES ({', '.join(['%s'] * len(values))})",
+                list(values.values()),
+            )
+    command.upgrade(config, "head")
+    with psycopg.connect(scratch_database) as conn:
+        rows = conn.execute(
+            "SELECT r.step_slug, a.attempt, a.status, a.error_code FROM workflow_step_attempt a"
+            " JOIN workflow_step_record r ON r.id = a.record_id ORDER BY r.step_slug"
+        ).fetchall()
+    assert rows == [("f", 3, "failed", "Boom"), ("r", 2, "running", None)]
+
+
+# --- indexed reads across instances ---------------------------------------------------
+
+
+@pytest.fixture
+def wide_table(db: Conn) -> Conn:
+    """10^5 records of every status over 100 instances (rolled back after the test)."""
+    db.execute(
+        "INSERT INTO process_instance (instance_key) SELECT 'run-' || i"
+        " FROM generate_series(1, 100) i"
+    )
+    db.execute("""
+        INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attempt_count,
+            started_at, completed_at, error_code, lease_expires_at, updated_at)
+        SELECT p.id, 'step-' || s, s, x.status, 1,
+               CASE WHEN x.status <> 'pending' THEN timestamptz '2026-01-01' END,
+               CASE WHEN x.status IN ('completed', 'failed') THEN timestamptz '2026-01-02' END,
+               CASE WHEN x.status = 'failed' THEN 'E' END,
+               CASE WHEN x.status = 'running' AND s % 3 = 0
+                    THEN timestamptz '2026-01-01' + s * interval '1 s' END,
+               timestamptz '2026-01-01' + (s * 7 % 1000 + p.id) * interval '1 s'
+        FROM process_instance p, generate_series(0, 999) s,
+             LATERAL (SELECT (ARRAY['pending', 'running', 'completed', 'failed'])[1 + s % 4]
+                      AS status) x
+    """)
+    db.execute("ANALYZE workflow_step_record")
+    db.execute("ANALYZE process_instance")
+    return db
+
+
+RECENT_FILTERS: list[tuple[tuple[str, ...], bool, bool, str]] = [
+    (STATUSES, False, False, "ix_workflow_step_record_status_updated_at_id"),
+    (("running", "failed"), False, False, "ix_workflow_step_record_status_updated_at_id"),
+    (("failed",), True, False, "ix_workflow_step_record_status_updated_at_id"),
+    (STATUSES, True, False, "ix_workflow_step_record_status_updated_at_id"),
+    (("running",), False, True, "ix_workflow_step_record_leased_updated_at_id"),
+]
+
+
+def test_each_filter_across_instances_reads_its_index_without_sorting(wide_table: Conn) -> None:
+    """All statuses, some, one; with and without `updated_after`; expired leases. One table
+    for all (building 10^5 rows is the slow part)."""
+    params = {
+        "before": "2026-01-01T00:10:00Z",
+        "before_id": 50_000,
+        "updated_after": "2026-01-01T00:01:00Z",
+        "limit": 101,
+    }
+    for statuses, updated_after, lease_expired, index in RECENT_FILTERS:
+        query = steps.list_recent_query(
+            statuses, updated_after=updated_after, lease_expired=lease_expired
+        )
+        rows = wide_table.execute("EXPLAIN " + query, params).fetchall()
+        text = "\n".join(str(r[0]) for r in rows)
+        assert index in text, text
+        assert "Sort  " not in text, text
+        assert "Seq Scan on workflow" not in text, text
+        if len(statuses) > 1:
+            assert "Merge Append" in text, text
+    rows = wide_table.execute("EXPLAIN " + steps.SWEEP, {"limit": 500}).fetchall()
+    text = "\n".join(str(r[0]) for r in rows)
+    assert "ix_workflow_step_record_leased_updated_at_id" in text, text
