@@ -192,7 +192,9 @@ def server_url(database_url: str) -> Iterator[str]:
 def _clean_tables(database_url: str) -> None:
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute(
-            "TRUNCATE workflow_step_attempt, workflow_step_record, process_instance"
+            # In the order the writers lock them (the sweeper takes the record, then the
+            # history), so a sweep in flight cannot deadlock with the cleanup.
+            "TRUNCATE process_instance, workflow_step_record, workflow_step_attempt"
             " RESTART IDENTITY"
         )
 

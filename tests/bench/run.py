@@ -205,7 +205,10 @@ def tail(path: Path, size: int = 3000) -> str:
 def reset(dsn: str) -> None:
     """Empty tables and a checkpoint, so that every load starts from the same state."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("TRUNCATE workflow_step_record, process_instance RESTART IDENTITY")
+        conn.execute(
+            "TRUNCATE process_instance, workflow_step_record, workflow_step_attempt"
+            " RESTART IDENTITY"
+        )
         with suppress(psycopg.errors.InsufficientPrivilege):
             conn.execute("CHECKPOINT")
 
