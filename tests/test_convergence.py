@@ -1,9 +1,16 @@
-"""The convergence guarantee of contract §3, as a property.
+"""The convergence guarantee (README, "Events"), as a property, for the record and its history.
 
 For any set of events of one step in which every event carries `attempt` and its timestamps,
 with at most one terminal content per attempt and identical duplicates, every arrival order
 and every concurrent interleaving ends in the same record, and every response is 2xx or 409
 `stale_attempt`.
+
+The history converges as far as arrival order lets it. When each attempt's events arrive
+before any higher attempt's (in any order, or concurrently, within the attempt), the history
+is always the same. In any order at all, the current attempt's history is the same, and every
+earlier attempt that made it into the history is told truthfully: its own start, and either
+its own terminal event or `superseded`. (An attempt whose events all arrive after a higher
+attempt started was stale: the service refused it, so no history can show it.)
 """
 
 import asyncio
@@ -77,6 +84,29 @@ def step_events(draw: st.DrawFn) -> list[Event]:
     return events + duplicates
 
 
+HISTORY = (
+    "attempt",
+    "status",
+    "started_at",
+    "completed_at",
+    "output",
+    "external_output_url",
+    "error_code",
+    "error_message",
+)
+TERMINAL = {"complete": "completed", "fail": "failed"}
+
+
+def attempt_of(event: Event) -> int:
+    attempt: int = event[1].get("attempt", 0)  # a declare has none: it comes first
+    return attempt
+
+
+def by_attempt(events: list[Event]) -> list[Event]:
+    """The same events, each attempt's after every lower attempt's (stable within one)."""
+    return sorted(events, key=attempt_of)
+
+
 def acceptable(response: httpx.Response) -> bool:
     if response.is_success:
         return True
@@ -93,10 +123,50 @@ def apply_in_order(client: httpx.Client, key: str, events: list[Event]) -> dict[
 
 def final(client: httpx.Client, key: str) -> dict[str, Any]:
     record = client.get(f"/v1/instances/{key}/steps/s").json()
-    return {field: record[field] for field in COMPARED}
+    attempts = client.get(f"/v1/instances/{key}/steps/s/attempts").json()["items"]
+    return {
+        **{field: record[field] for field in COMPARED},
+        "history": [{field: a[field] for field in HISTORY} for a in attempts],
+    }
+
+
+def assert_truthful(result: dict[str, Any], reference: dict[str, Any], events: list[Event]) -> None:
+    """The record and the current attempt as in the reference; earlier attempts as they were."""
+    assert {k: v for k, v in result.items() if k != "history"} == {
+        k: v for k, v in reference.items() if k != "history"
+    }
+    rows: list[dict[str, Any]] = result["history"]
+    assert rows[-1:] == reference["history"][-1:]
+    for row in rows[:-1]:
+        own = [body for kind, body in events if body.get("attempt") == row["attempt"]]
+        assert own, row
+        assert row["started_at"] == own[0]["started_at"]
+        terminals = {
+            TERMINAL[kind]: body
+            for kind, body in events
+            if kind in TERMINAL and body.get("attempt") == row["attempt"]
+        }
+        if row["status"] == "superseded":
+            assert row["completed_at"] >= row["started_at"]
+            continue
+        assert row["status"] in terminals, row
+        body = terminals[row["status"]]
+        assert row["completed_at"] == body["completed_at"]
+        for field in ("output", "external_output_url", "error_code", "error_message"):
+            assert row[field] == body.get(field), (field, row, body)
 
 
 async def apply_concurrently(base_url: str, key: str, events: list[Event]) -> None:
+    await apply_groups_concurrently(base_url, key, [events])
+
+
+async def apply_groups_concurrently(base_url: str, key: str, groups: list[list[Event]]) -> None:
+    """Each group's events at once, one group after another."""
+    for group in groups:
+        await _concurrently(base_url, key, group)
+
+
+async def _concurrently(base_url: str, key: str, events: list[Event]) -> None:
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
         responses = await asyncio.gather(
             *(
@@ -112,12 +182,22 @@ async def apply_concurrently(base_url: str, key: str, events: list[Event]) -> No
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(data=st.data(), events=step_events())
-def test_every_order_and_interleaving_ends_in_the_same_record(
+def test_every_order_and_interleaving_ends_in_the_same_record_and_history(
     shared_client: httpx.Client, server_url: str, data: st.DataObject, events: list[Event]
 ) -> None:
-    reference = apply_in_order(shared_client, f"ref-{uuid.uuid4().hex}", events)
+    reference = apply_in_order(shared_client, f"ref-{uuid.uuid4().hex}", by_attempt(events))
     shuffled = data.draw(st.permutations(events))
-    assert apply_in_order(shared_client, f"perm-{uuid.uuid4().hex}", shuffled) == reference
+    grouped = by_attempt(shuffled)
+    assert apply_in_order(shared_client, f"grp-{uuid.uuid4().hex}", grouped) == reference
+    key = f"cgrp-{uuid.uuid4().hex}"
+    groups = [
+        [e for e in grouped if attempt_of(e) == a] for a in sorted(set(map(attempt_of, grouped)))
+    ]
+    asyncio.run(apply_groups_concurrently(server_url, key, groups))
+    assert final(shared_client, key) == reference
+    assert_truthful(
+        apply_in_order(shared_client, f"perm-{uuid.uuid4().hex}", shuffled), reference, events
+    )
     key = f"conc-{uuid.uuid4().hex}"
     asyncio.run(apply_concurrently(server_url, key, shuffled))
-    assert final(shared_client, key) == reference
+    assert_truthful(final(shared_client, key), reference, events)
