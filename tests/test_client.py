@@ -1,4 +1,4 @@
-"""The Python client (clients/python, contract §9) against the live service.
+"""The Python client (clients/python; its README) against the live service.
 
 Each test starts with empty tables (see conftest.py). Failures of the network are simulated
 with a small HTTP proxy on 127.0.0.1 that the test starts and stops itself.
@@ -10,7 +10,10 @@ import asyncio
 import contextvars
 import json
 import socketserver
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -939,3 +942,99 @@ def test_record_reads_one_record_or_none(rec: Recorder, raw: httpx.Client) -> No
     assert (record["status"], record["attempt_count"]) == ("pending", 1)
     assert rec.record("order-30", "y") is None
     assert json.loads(json.dumps(record)) == record
+
+
+# --------------------------------------------------------------------------- leases
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_heartbeats_keep_a_long_step_alive(rec: Recorder, raw: httpx.Client) -> None:
+    """A 1-second lease on a 3-second step: the sweeper (every 0.2 s) would fail it, but the
+    heartbeats keep extending the lease until the step returns."""
+    seen: list[dict[str, Any]] = []
+
+    @rec.step("slow", lease_seconds=1)
+    def slow() -> str:
+        first = must_get(raw, "lease-1", "slow")
+        time.sleep(3)  # three leases long
+        seen.append(first)
+        seen.append(must_get(raw, "lease-1", "slow"))
+        return "done"
+
+    with rec.instance("lease-1"):
+        assert slow() == "done"
+    before, after = seen
+    assert (before["status"], after["status"]) == ("running", "running")
+    assert after["lease_expires_at"] > before["lease_expires_at"]
+    record = must_get(raw, "lease-1", "slow")
+    assert (record["status"], record["attempt_count"], record["lease_expires_at"]) == (
+        "completed",
+        1,
+        None,
+    )
+    history = raw.get("/v1/instances/lease-1/steps/slow/attempts").json()["items"]
+    assert [(a["attempt"], a["status"]) for a in history] == [(1, "completed")]
+
+
+def test_async_heartbeats_keep_a_long_step_alive(server_url: str, raw: httpx.Client) -> None:
+    async def main() -> str:
+        async with AsyncRecorder(server_url, **FAST) as rec:
+
+            @rec.step("slow", lease_seconds=1)
+            async def slow() -> str:
+                await asyncio.sleep(2.5)
+                return "done"
+
+            async with rec.instance("lease-2"):
+                return await slow()
+
+    assert asyncio.run(main()) == "done"
+    assert must_get(raw, "lease-2", "slow")["status"] == "completed"
+
+
+WORKER = """
+import sys, time
+from steprecord_client import Recorder
+
+rec = Recorder(sys.argv[1])
+
+@rec.step("forever", lease_seconds=1)
+def forever():
+    print("running", flush=True)
+    time.sleep(3600)
+
+with rec.instance("lease-3"):
+    forever()
+"""
+
+
+def test_a_killed_workers_step_is_swept(server_url: str, raw: httpx.Client) -> None:
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER, server_url], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert worker.stdout is not None
+        assert worker.stdout.readline().strip() == "running"
+        time.sleep(1.5)  # longer than the lease: only the heartbeats keep it running
+        assert must_get(raw, "lease-3", "forever")["status"] == "running"
+        worker.kill()
+        worker.wait(10)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    _wait_for(lambda: must_get(raw, "lease-3", "forever")["status"] == "failed")
+    record = must_get(raw, "lease-3", "forever")
+    assert (record["error_code"], record["attempt_count"]) == ("lease_expired", 1)
+
+
+@pytest.mark.parametrize("lease", [0, 86401, True, 1.5, "5"])
+def test_a_bad_lease_is_refused_when_the_step_is_declared(rec: Recorder, lease: Any) -> None:
+    with pytest.raises(ValueError, match="lease_seconds"):
+        rec.step("x", lease_seconds=lease)

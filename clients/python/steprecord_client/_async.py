@@ -74,16 +74,22 @@ class AsyncRecorder:
         """
         return InstanceScope(key)
 
-    def step(self, slug: str, *, retries: int = 0) -> _AsyncStepDecorator:
+    def step(
+        self, slug: str, *, retries: int = 0, lease_seconds: int | None = None
+    ) -> _AsyncStepDecorator:
         """Decorator: make a function a recorded step named ``slug``; see ``Recorder.step``.
 
         The wrapper is always a coroutine function, to be awaited inside an instance
         (:class:`NoInstance` otherwise, raised when awaited, before anything happens).
         An ``async def`` is awaited in the wrapper's own task (its own copy of the
         context); a plain ``def`` runs in a worker thread via :func:`asyncio.to_thread`.
+        With ``lease_seconds``, heartbeats are sent from a background task while it runs.
         """
         return _AsyncStepDecorator(
-            self, _core.check_name(slug, "step slug"), _core.check_retries(retries)
+            self,
+            _core.check_name(slug, "step slug"),
+            _core.check_retries(retries),
+            _core.check_lease(lease_seconds),
         )
 
     # -- reads
@@ -147,12 +153,15 @@ class AsyncRecorder:
 class _AsyncStepDecorator:
     """What ``AsyncRecorder.step(...)`` returns; applied to a function it gives the wrapper."""
 
-    __slots__ = ("_recorder", "_retries", "_slug")
+    __slots__ = ("_lease_seconds", "_recorder", "_retries", "_slug")
 
-    def __init__(self, recorder: AsyncRecorder, slug: str, retries: int) -> None:
+    def __init__(
+        self, recorder: AsyncRecorder, slug: str, retries: int, lease_seconds: int | None
+    ) -> None:
         self._recorder = recorder
         self._slug = slug
         self._retries = retries
+        self._lease_seconds = lease_seconds
 
     @overload
     def __call__(self, fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]: ...
@@ -162,4 +171,6 @@ class _AsyncStepDecorator:
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Coroutine[Any, Any, Any]]:
         rec = self._recorder
-        return _core.make_async_wrapper(fn, self._slug, self._retries, rec._send, rec._offload)
+        return _core.make_async_wrapper(
+            fn, self._slug, self._retries, rec._send, rec._offload, self._lease_seconds
+        )

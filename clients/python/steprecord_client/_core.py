@@ -2,7 +2,7 @@
 
 Nothing in this module performs I/O. The life of one wrapped call is written once, as the
 generator :func:`step_flow`, which *yields* what it needs done — an HTTP request
-(:class:`Http`), running the user's callback (:data:`INVOKE`) or offloading an output
+(:class:`Http`), running the user's callback (:class:`Invoke`) or offloading an output
 (:class:`Offload`) — and receives the result through ``send`` (or the exception through
 ``throw``). :func:`drive_sync` and :func:`drive_async` are the two small loops that carry
 those operations out with blocking or awaitable primitives.
@@ -16,7 +16,16 @@ import functools
 import inspect
 import json
 import re
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping
+import threading
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterator,
+    Mapping,
+)
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -36,7 +45,7 @@ __all__ = [
 ]
 
 Record = dict[str, Any]
-"""A step record as the service returns it (contract §4): a plain JSON object."""
+"""A step record as the service returns it: a plain JSON object."""
 
 OUTPUT_CAP: Final = 1024 * 1024
 """Largest inline output, in bytes of UTF-8 of its JSON text as PostgreSQL prints ``jsonb``."""
@@ -46,6 +55,9 @@ MESSAGE_CAP: Final = 65536
 
 URL_CAP: Final = 2048
 """Longest ``external_output_url``, in characters."""
+
+LEASE_CAP: Final = 86400
+"""Longest lease a ``start`` or ``heartbeat`` may ask for, in seconds."""
 
 _NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
 _CODE_INVALID_RE: Final = re.compile(r"[^A-Za-z0-9._:-]+")
@@ -60,7 +72,7 @@ _NUL_ESCAPE_RE: Final = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 class StepRecordError(Exception):
     """The service refused a request (a 4xx, or a 5xx that outlasted the retries).
 
-    ``status`` is the HTTP status, ``code`` the problem's stable ``code`` (contract §5, e.g.
+    ``status`` is the HTTP status, ``code`` the problem's stable ``code`` (see the README, e.g.
     ``"validation_error"``; ``None`` if the answer was not problem+json) and ``problem`` the
     whole RFC 9457 problem document as a dict.
     """
@@ -366,15 +378,99 @@ class Offload:
     value: Any
 
 
-class _Invoke:
-    """Operation: run the callback; the result is its return value (or it is thrown in)."""
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Keep attempt ``attempt``'s lease alive: ``lease_seconds`` from each heartbeat, sent
+    every third of the lease while the callback runs."""
 
-    __slots__ = ()
+    path: str
+    attempt: int
+    lease_seconds: int
+
+    @property
+    def every(self) -> float:
+        return self.lease_seconds / 3
+
+    def request(self) -> Http:
+        body = {"attempt": self.attempt, "lease_seconds": self.lease_seconds}
+        return Http("POST", f"{self.path}/heartbeat", body)
 
 
-INVOKE: Final = _Invoke()
+def heartbeat_goes_on(response: httpx.Response | BaseException) -> bool:
+    """Whether to keep sending heartbeats after this answer (or error).
 
-Op = Http | Offload | _Invoke
+    A 409 (the attempt was superseded, swept or finished) ends them: the worker's ``complete``
+    or ``fail`` will then be told why. Anything else — a transport error that outlasted the
+    retries, a 503 — is tried again at the next beat.
+    """
+    return not (isinstance(response, httpx.Response) and response.status_code == 409)
+
+
+@contextlib.contextmanager
+def heartbeats_in_thread(
+    beat: Heartbeat | None, send: Callable[[Http], httpx.Response]
+) -> Iterator[None]:
+    """Send ``beat`` from a background thread until the block ends."""
+    if beat is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(beat.every):
+            try:
+                answer: httpx.Response | BaseException = send(beat.request())
+            except Exception as exc:
+                answer = exc
+            if not heartbeat_goes_on(answer):
+                return
+
+    thread = threading.Thread(target=run, name="steprecord-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+@contextlib.asynccontextmanager
+async def heartbeats_in_task(
+    beat: Heartbeat | None, send: Callable[[Http], Awaitable[httpx.Response]]
+) -> AsyncIterator[None]:
+    """Send ``beat`` from a background task until the block ends."""
+    if beat is None:
+        yield
+        return
+
+    async def run() -> None:
+        while True:
+            await asyncio.sleep(beat.every)
+            try:
+                answer: httpx.Response | BaseException = await send(beat.request())
+            except Exception as exc:
+                answer = exc
+            if not heartbeat_goes_on(answer):
+                return
+
+    task = asyncio.create_task(run())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@dataclass(frozen=True, slots=True)
+class Invoke:
+    """Operation: run the callback (sending ``heartbeat`` meanwhile, if any); the result is
+    its return value (or it is thrown in)."""
+
+    heartbeat: Heartbeat | None = None
+
+
+Op = Http | Offload | Invoke
 Flow = Generator[Op, Any, Any]
 
 
@@ -432,14 +528,17 @@ def _output_fields(value: Any, has_offload: bool) -> Flow:
     return {} if value is None else {"output": value}
 
 
-def step_flow(key: str, slug: str, retries: int, has_offload: bool) -> Flow:
-    """The life of one call of a wrapped step (contract §9); returns what the call returns.
+def step_flow(
+    key: str, slug: str, retries: int, has_offload: bool, lease_seconds: int | None = None
+) -> Flow:
+    """The life of one call of a wrapped step (see the README); returns what the call returns.
 
     1. Read the record once. ``completed``: return its external URL or its output.
     2. Otherwise take the next attempt (see :func:`next_attempt`) and, per attempt,
-       report ``start`` with explicit ``attempt`` and ``started_at``; a
-       :class:`StaleAttempt` here means the callback is not run.
-    3. Run the callback. If it raises an :class:`Exception`, report ``fail`` and, while
+       report ``start`` with explicit ``attempt`` and ``started_at`` (and ``lease_seconds``
+       when given); a :class:`StaleAttempt` here means the callback is not run.
+    3. Run the callback, with heartbeats every third of the lease while it runs when
+       ``lease_seconds`` is given. If it raises an :class:`Exception`, report ``fail`` and, while
        retries remain, go again with attempt + 1; else re-raise the same exception object.
        (A :class:`BaseException` such as ``KeyboardInterrupt`` or ``CancelledError``
        propagates at once and reports nothing: the record stays ``running``, like a crash.)
@@ -460,10 +559,14 @@ def step_flow(key: str, slug: str, retries: int, has_offload: bool) -> Flow:
     attempt = next_attempt(record)
     for round_ in range(retries + 1):
         started = now()
-        start = {"attempt": attempt, "started_at": timestamp(started)}
+        start: dict[str, Any] = {"attempt": attempt, "started_at": timestamp(started)}
+        beat = None
+        if lease_seconds is not None:
+            start["lease_seconds"] = lease_seconds
+            beat = Heartbeat(path, attempt, lease_seconds)
         _check_owned(expect_json((yield Http("POST", f"{path}/start", start))), attempt, started)
         try:
-            value = yield INVOKE
+            value = yield Invoke(beat)
         except Exception as exc:
             yield from _report_fail(path, attempt, started, exc)
             if round_ < retries:
@@ -521,7 +624,8 @@ def drive_sync(
                             "Recorder, or use AsyncRecorder"
                         )
                 else:
-                    result = invoke()
+                    with heartbeats_in_thread(op.heartbeat, send):
+                        result = invoke()
             except BaseException as exc:  # handed to the flow, which decides
                 error = exc
     finally:
@@ -557,12 +661,27 @@ async def drive_async(
                     if inspect.isawaitable(result):
                         result = await result
                 else:
-                    result = await invoke()
+                    async with heartbeats_in_task(op.heartbeat, send):
+                        result = await invoke()
             except BaseException as exc:  # handed to the flow, which decides
                 error = exc
     finally:
         flow.close()
         del error
+
+
+def check_lease(lease_seconds: int | None) -> int | None:
+    if lease_seconds is None:
+        return None
+    if (
+        isinstance(lease_seconds, bool)
+        or not isinstance(lease_seconds, int)
+        or not 1 <= lease_seconds <= LEASE_CAP
+    ):
+        raise ValueError(
+            f"lease_seconds must be an int from 1 to {LEASE_CAP}, not {lease_seconds!r}"
+        )
+    return lease_seconds
 
 
 def check_retries(retries: int) -> int:
@@ -592,6 +711,7 @@ def make_async_wrapper(
     retries: int,
     send: Callable[[Http], Awaitable[httpx.Response]],
     offload: Callable[[Any], Any] | None,
+    lease_seconds: int | None = None,
 ) -> Callable[..., Coroutine[Any, Any, Any]]:
     """Wrap ``fn`` (``async def`` or plain) into a coroutine function running :func:`step_flow`.
 
@@ -611,7 +731,7 @@ def make_async_wrapper(
             invoke: Callable[[], Awaitable[Any]] = lambda: fn(*args, **kwargs)  # noqa: E731
         else:
             invoke = lambda: invoke_plain(args, kwargs)  # noqa: E731
-        flow = step_flow(key, slug, retries, offload is not None)
+        flow = step_flow(key, slug, retries, offload is not None, lease_seconds)
         return await asyncio.create_task(drive_async(flow, send, invoke, offload))
 
     return wrapper

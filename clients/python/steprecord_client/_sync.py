@@ -88,7 +88,9 @@ class Recorder:
         """
         return InstanceScope(key)
 
-    def step(self, slug: str, *, retries: int = 0) -> _StepDecorator:
+    def step(
+        self, slug: str, *, retries: int = 0, lease_seconds: int | None = None
+    ) -> _StepDecorator:
         """Decorator: make a function a recorded step named ``slug``.
 
         Calling the wrapped function (inside ``rec.instance(...)``, else :class:`NoInstance`
@@ -97,6 +99,10 @@ class Recorder:
         next attempt is reported started, the function runs, and ``complete`` (with the
         return value, which must be JSON) or ``fail`` (with the exception, re-raised as the
         same object) is reported. ``retries=N`` runs up to N more attempts after a failure.
+        ``lease_seconds=S`` starts each attempt with a lease of S seconds and sends heartbeats
+        (every S/3 seconds, from a background thread) while the function runs, so a worker
+        that dies mid-step has its attempt failed by the service's sweeper
+        (``lease_expired``) within about S seconds.
         A 409 ``stale_attempt`` raises :class:`StaleAttempt`; on ``start`` the function is
         then not run. Output errors (not JSON, over the cap) report ``fail`` and are raised
         without retries. A fresh run returns the function's own return value.
@@ -109,7 +115,10 @@ class Recorder:
         ``rec.step(f"fetch:{i}")(fetch)(i)``.
         """
         return _StepDecorator(
-            self, _core.check_name(slug, "step slug"), _core.check_retries(retries)
+            self,
+            _core.check_name(slug, "step slug"),
+            _core.check_retries(retries),
+            _core.check_lease(lease_seconds),
         )
 
     # -- reads
@@ -179,12 +188,15 @@ class Recorder:
 class _StepDecorator:
     """What ``Recorder.step(...)`` returns; applied to a function it gives the wrapper."""
 
-    __slots__ = ("_recorder", "_retries", "_slug")
+    __slots__ = ("_lease_seconds", "_recorder", "_retries", "_slug")
 
-    def __init__(self, recorder: Recorder, slug: str, retries: int) -> None:
+    def __init__(
+        self, recorder: Recorder, slug: str, retries: int, lease_seconds: int | None
+    ) -> None:
         self._recorder = recorder
         self._slug = slug
         self._retries = retries
+        self._lease_seconds = lease_seconds
 
     @overload
     def __call__(
@@ -195,14 +207,16 @@ class _StepDecorator:
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]: ...
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        rec, slug, retries = self._recorder, self._slug, self._retries
+        rec, slug, retries, lease = self._recorder, self._slug, self._retries, self._lease_seconds
         if inspect.iscoroutinefunction(fn):
-            return _core.make_async_wrapper(fn, slug, retries, rec._send_in_thread, rec._offload)
+            return _core.make_async_wrapper(
+                fn, slug, retries, rec._send_in_thread, rec._offload, lease
+            )
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             key = _core.require_instance(slug)
-            flow = _core.step_flow(key, slug, retries, rec._offload is not None)
+            flow = _core.step_flow(key, slug, retries, rec._offload is not None, lease)
             return contextvars.copy_context().run(
                 _core.drive_sync, flow, rec._send, lambda: fn(*args, **kwargs), rec._offload
             )
