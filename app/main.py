@@ -80,7 +80,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = schemas.with_security(
-                schemas.problem_media_types(FastAPI.openapi(app))
+                schemas.problem_media_types(schemas.hoist_defs(FastAPI.openapi(app)))
             )
         return app.openapi_schema
 

@@ -11,10 +11,20 @@ from app.db import Pool
 from app.errors import Problem, to_problem, validation_problem
 from app.events import BODIES, KINDS, parse_batch_event, parse_envelope, parse_event
 from app.models import NAME_PATTERN, STATUSES
-from app.serialize import BadJSON, UnacceptableJSON, attempt_json, dumps, loads, record_json
+from app.serialize import (
+    MAX_DEPTH,
+    BadJSON,
+    UnacceptableJSON,
+    attempt_json,
+    dumps,
+    loads,
+    record_json,
+)
 
 MAX_BODY_BYTES = 2 * 1024 * 1024
 MAX_BATCH_BYTES = 16 * 1024 * 1024
+# `{"events": [...]}` holds each event two levels down; it may nest as deep as at its endpoint.
+MAX_BATCH_DEPTH = MAX_DEPTH + 2
 REFUSALS = {
     "conflict": (409, "the event conflicts with what is recorded for this attempt"),
     "stale_attempt": (409, "a newer attempt has superseded this one"),
@@ -45,7 +55,7 @@ def _pool(request: Request) -> Pool:
     return pool
 
 
-async def read_json(request: Request, limit: int) -> Any:
+async def read_json(request: Request, limit: int, depth: int = MAX_DEPTH) -> Any:
     """The parsed body (None when empty), refusing more than `limit` bytes before parsing."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -61,7 +71,7 @@ async def read_json(request: Request, limit: int) -> Any:
     if not body.strip():
         return None
     try:
-        return loads(body)
+        return loads(body, depth)
     except BadJSON as exc:
         raise Problem(400, "invalid_json", f"the body is not JSON: {exc}") from None
     except UnacceptableJSON as exc:
@@ -130,7 +140,7 @@ def _batch_result(kind: str, outcome: steps.Result | Exception) -> dict[str, Any
     openapi_extra=schemas.batch_request_body(),
 )
 async def post_events(request: Request) -> Response:
-    items = parse_envelope(await read_json(request, MAX_BATCH_BYTES))
+    items = parse_envelope(await read_json(request, MAX_BATCH_BYTES, MAX_BATCH_DEPTH))
     parsed: list[steps.Event | Exception] = []
     for item in items:
         try:

@@ -127,13 +127,43 @@ def read_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
 
 
 def request_body(model: type[BaseModel], *, required: bool) -> dict[str, Any]:
+    # The body is named among the definitions it uses, so `hoist_defs` makes it a component.
     schema = model.model_json_schema()
+    defs = {**schema.pop("$defs", {}), model.__name__: schema}
     return {
         "requestBody": {
             "required": required,
-            "content": {"application/json": {"schema": schema}},
+            "content": {
+                "application/json": {"schema": {"$ref": f"#/$defs/{model.__name__}", "$defs": defs}}
+            },
         }
     }
+
+
+COMPONENT_REF = "#/components/schemas/"
+
+
+def hoist_defs(document: dict[str, Any]) -> dict[str, Any]:
+    """Move every `$defs` block into the components: an OpenAPI `$ref` resolves only there."""
+    components: dict[str, Any] = document.setdefault("components", {}).setdefault("schemas", {})
+
+    def visit(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                visit(item)
+        elif isinstance(node, dict):
+            for name, schema in node.pop("$defs", {}).items():
+                visit(schema)
+                if components.setdefault(name, schema) != schema:
+                    raise ValueError(f"two different schemas are named {name}")
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                node["$ref"] = COMPONENT_REF + ref.removeprefix("#/$defs/")
+            for value in list(node.values()):
+                visit(value)
+
+    visit(document)
+    return document
 
 
 class BatchResult(BaseModel):
