@@ -104,6 +104,8 @@ class Pool:
                 if lost(conn, exc):
                     self._discard_idle()
                 raise DatabaseUnavailable(str(exc)) from exc
+            except psycopg.errors.ReadOnlySqlTransaction as exc:  # a standby, until promoted
+                raise DatabaseUnavailable(str(exc)) from exc
             except TimeoutError:
                 bound = f"{self._statement_timeout:g} s statement timeout"
                 if conn.closed:

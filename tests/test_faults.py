@@ -1,5 +1,6 @@
 """Faults: bounded statements, held locks, a database that stops answering, brief outages."""
 
+import json
 import os
 import select
 import shutil
@@ -12,6 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -19,6 +21,7 @@ import httpx
 import psycopg
 import pytest
 
+from app.access import new_token
 from app.cli import migrate
 from tests.conftest import (
     ROOT,
@@ -93,8 +96,10 @@ def eventually(check: Callable[[], bool], seconds: float = 10) -> None:
 
 
 @contextmanager
-def serving(database_url: str, *extra: str, env: dict[str, str]) -> Iterator[str]:
-    url, proc = start_server(database_url, *extra, env=env)
+def serving(
+    database_url: str, *extra: str, env: dict[str, str], stdout: Any = None
+) -> Iterator[str]:
+    url, proc = start_server(database_url, *extra, env=env, stdout=stdout)
     try:
         yield url
     finally:
@@ -389,3 +394,101 @@ def test_database_that_stops_answering_mid_session_gets_503_within_2_seconds_and
                 assert client.get("/readyz").status_code == 200
         finally:
             stop(proc)
+
+
+def terminate_sessions(watcher: Watcher, application_name: str) -> None:
+    watcher.execute(
+        "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
+        " WHERE application_name = %s AND pid <> pg_backend_pid()",
+        (application_name,),
+    )
+
+
+def logged(path: Path, check: Callable[[dict[str, Any]], bool]) -> bool:
+    for raw in path.read_text().splitlines():
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(line, dict) and check(line):
+            return True
+    return False
+
+
+def test_revoked_token_stops_working_after_the_database_was_briefly_down_and_strange(
+    own_database: str, watcher: Watcher, tmp_path: Path
+) -> None:
+    """The token reload survives an outage and an error it did not expect (here a migration
+    under way renamed a column), so a later revocation still takes effect on every worker."""
+    name = "steprecord-tokens-" + uuid.uuid4().hex[:8]
+    token, digest = new_token()
+    bearer = {"Authorization": f"Bearer {token}"}
+    log = tmp_path / "stdout.jsonl"
+    env = {**BOUNDED, "STEPRECORD_TOKEN_REFRESH_SECONDS": "0.3"}
+    with (
+        log.open("wb") as out,
+        serving(tagged(own_database, name), "--workers", "2", env=env, stdout=out) as url,
+        httpx.Client(base_url=url, timeout=30) as client,
+    ):
+
+        def every_worker(answers: Callable[[], int], status: int) -> bool:
+            return all(answers() == status for _ in range(8))
+
+        watcher.execute(
+            "INSERT INTO api_token (name, scope, token_sha256) VALUES (%s, 'write', %s)",
+            (name, digest),
+        )
+        try:
+            eventually(lambda: every_worker(lambda: client.get("/v1/instances").status_code, 401))
+            assert every_worker(
+                lambda: client.get("/v1/instances", headers=bearer).status_code, 200
+            )
+            terminate_sessions(watcher, name)
+            watcher.execute("ALTER TABLE api_token RENAME COLUMN scope TO scope_during_migration")
+            try:
+                eventually(
+                    lambda: logged(
+                        log,
+                        lambda line: (
+                            line.get("logger") == "steprecord.access"
+                            and "UndefinedColumn" in line.get("error", "")
+                        ),
+                    )
+                )
+            finally:
+                watcher.execute(
+                    "ALTER TABLE api_token RENAME COLUMN scope_during_migration TO scope"
+                )
+            terminate_sessions(watcher, name)
+        finally:
+            watcher.execute("DELETE FROM api_token WHERE name = %s", (name,))
+        eventually(
+            lambda: every_worker(
+                lambda: client.get("/v1/instances", headers=bearer).status_code, 401
+            ),
+            seconds=15,
+        )
+
+
+def test_write_to_a_read_only_database_answers_503(own_database: str, watcher: Watcher) -> None:
+    """A standby that is not promoted yet refuses writes: that is an outage, not a 500."""
+    name = "steprecord-read-only-" + uuid.uuid4().hex[:8]
+    key = "ro-" + uuid.uuid4().hex[:8]
+    database = psycopg.conninfo.conninfo_to_dict(own_database)["dbname"]
+    with serving(tagged(own_database, name), env=BOUNDED) as url:
+        watcher.execute(f'ALTER DATABASE "{database}" SET default_transaction_read_only = on')
+        try:
+            terminate_sessions(watcher, name)
+
+            def refused_as_read_only() -> bool:
+                # The first answer may still be the terminated session's.
+                refused = httpx.post(f"{url}/v1/instances/{key}/steps/a/start")
+                assert refused.headers["retry-after"]
+                return "read-only" in problem(refused, 503, "unavailable")["detail"]
+
+            eventually(refused_as_read_only)
+        finally:
+            watcher.execute(f'ALTER DATABASE "{database}" RESET default_transaction_read_only')
+        terminate_sessions(watcher, name)
+        path = f"{url}/v1/instances/{key}/steps/a/start"
+        eventually(lambda: httpx.post(path).status_code == 201)
