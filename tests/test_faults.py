@@ -492,3 +492,73 @@ def test_write_to_a_read_only_database_answers_503(own_database: str, watcher: W
         terminate_sessions(watcher, name)
         path = f"{url}/v1/instances/{key}/steps/a/start"
         eventually(lambda: httpx.post(path).status_code == 201)
+
+
+def report_batch(key: str) -> list[dict[str, Any]]:
+    """Three statements: a step seen again starts the next one (a, b | a, x, b | x)."""
+    steps: list[tuple[str, str, dict[str, Any]]] = [
+        ("a", "start", {"started_at": "2026-12-02T10:00:01Z"}),
+        ("b", "start", {"started_at": "2026-12-02T10:00:01Z"}),
+        ("a", "complete", {"completed_at": "2026-12-02T10:00:02Z", "output": {"a": 1}}),
+        ("x", "start", {"started_at": "2026-12-02T10:00:02Z"}),
+        ("b", "fail", {"completed_at": "2026-12-02T10:00:03Z", "error_code": "E"}),
+        ("x", "complete", {"completed_at": "2026-12-02T10:00:03Z", "output": 2}),
+    ]
+    return [
+        {"instance_key": key, "step_slug": slug, "kind": kind, "attempt": 1, **fields}
+        for slug, kind, fields in steps
+    ]
+
+
+def facts(client: httpx.Client, key: str) -> dict[str, tuple[Any, ...]]:
+    items = client.get(f"/v1/instances/{key}/steps").json()["items"]
+    fields = (
+        *("ordinal", "status", "attempt_count", "output", "external_output_url"),
+        *("started_at", "completed_at", "error_code", "error_message"),
+    )
+    return {item["step_slug"]: tuple(item[f] for f in fields) for item in items}
+
+
+def test_batch_cut_by_an_outage_midway_ends_as_a_clean_run_when_sent_again(
+    own_database: str, watcher: Watcher
+) -> None:
+    """Earlier statements of a batch stay committed when a later one meets an outage; sending
+    the whole batch again replays them and applies the rest (see the README, Batch)."""
+    name = "steprecord-batch-" + uuid.uuid4().hex[:8]
+    cut, clean = "cut-" + uuid.uuid4().hex[:8], "clean-" + uuid.uuid4().hex[:8]
+    env = {"STEPRECORD_STATEMENT_TIMEOUT": "30"}
+    with (
+        serving(tagged(own_database, name), env=env) as url,
+        httpx.Client(base_url=url, timeout=60) as client,
+    ):
+        for key in (cut, clean):
+            assert client.post(f"/v1/instances/{key}/steps/x/declare").status_code == 201
+        sent = client.post("/v1/events", json={"events": report_batch(clean)})
+        assert all(r["status"] in (200, 201) for r in sent.json()["results"])
+
+        answers: list[httpx.Response] = []
+        with row_locked(own_database, cut, "x"):  # the second statement waits for x
+            sending = threading.Thread(
+                target=lambda: answers.append(
+                    client.post("/v1/events", json={"events": report_batch(cut)})
+                )
+            )
+            sending.start()
+            try:
+                eventually(lambda: lock_waits(watcher) == 1)
+                watcher.execute(
+                    "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
+                    " WHERE application_name = %s AND wait_event_type = 'Lock'",
+                    (name,),
+                )
+            finally:
+                sending.join(30)
+        problem(answers[0], 503, "unavailable")
+        left = facts(client, cut)
+        assert (left["a"][1], left["b"][1], left["x"][1]) == ("running", "running", "pending")
+
+        for _ in range(2):  # again after the outage, and once more: a replay of it all
+            again = client.post("/v1/events", json={"events": report_batch(cut)})
+            assert again.status_code == 200
+            assert all(r["status"] in (200, 201) for r in again.json()["results"])
+            assert facts(client, cut) == facts(client, clean)
