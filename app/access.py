@@ -21,6 +21,7 @@ from app.errors import Problem, problem_response
 log = logging.getLogger("steprecord.access")
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
 SCOPES = ("read", "write")
+MAX_BACKOFF_SECONDS = 30.0
 
 
 def new_token() -> tuple[str, bytes]:
@@ -52,7 +53,11 @@ class Tokens:
         async with self._pool.connection() as conn:
             if self._used:
                 used, self._used = self._used, set()
-                await steps.touch_tokens(conn, sorted(used))
+                try:
+                    await steps.touch_tokens(conn, sorted(used))
+                except BaseException:
+                    self._used |= used
+                    raise
             rows = await steps.active_tokens(conn)
         self._grants = {
             bytes(r["token_sha256"]): Grant(r["id"], r["scope"], bytes(r["token_sha256"]))
@@ -60,12 +65,19 @@ class Tokens:
         }
 
     async def keep_loading(self) -> None:
+        """Reload for as long as the worker runs: a reload that stopped would keep revoked
+        tokens working. An unexpected error is logged with its traceback and backed off."""
+        failures = 0
         while True:
-            await asyncio.sleep(self._refresh)
+            await asyncio.sleep(min(self._refresh * 2**failures, MAX_BACKOFF_SECONDS))
             try:
                 await self.load()
+                failures = 0
             except (DatabaseUnavailable, steps.SchemaMissing) as exc:
                 log.warning("tokens not reloaded: %s", exc)
+            except Exception:
+                log.exception("tokens not reloaded: unexpected error")
+                failures = min(failures + 1, 10)
 
     def check(self, authorization: str | None, needed: str) -> Problem | None:
         """None when the request may proceed, else the problem to answer with."""

@@ -26,6 +26,9 @@ class Settings(BaseSettings):
     pool_size: int = Field(default=10, ge=1, le=500)
     # Seconds a request may wait for a connection (or to open one) before it answers 503.
     db_timeout: float = Field(default=1.5, gt=0, le=30)
+    # Seconds a request's statements may run (lock waits included) before they are cancelled
+    # and the request answers 503.
+    statement_timeout: float = Field(default=5.0, gt=0, le=600)
     # psycopg's prepare_threshold; None keeps no server-side prepared statements (PgBouncer).
     prepare_threshold: int | None = None
     # The address `serve` binds; anonymous access needs a loopback one (or insecure_no_auth).

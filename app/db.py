@@ -4,6 +4,13 @@ The pool opens connections on demand and never backs off: while PostgreSQL is do
 request fails fast with `DatabaseUnavailable`, and the first request after it is back
 connects again. Connections run in autocommit: every event is one statement, atomic by
 itself, so a 2xx means it is committed.
+
+Each use of a connection is bounded by `statement_timeout`: when it runs over, psycopg sends
+PostgreSQL a cancel request (the protocol's own, which PgBouncer forwards), the statement ends
+with `query_canceled` and the connection goes back to the pool. The bound needs no session
+setting, no startup parameter and no extra round trip, so it holds behind PgBouncer in
+transaction mode as well. A server that does not even answer the cancel within
+`CANCEL_GRACE` seconds is treated as lost.
 """
 
 import asyncio
@@ -19,6 +26,10 @@ from sqlalchemy.pool import NullPool
 
 AsyncConn = psycopg.AsyncConnection[dict[str, Any]]
 
+CANCEL_GRACE = 0.5
+# The server ended the session (admin or crash shutdown, or not accepting connections yet).
+SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
+
 
 class DatabaseUnavailable(Exception):
     """PostgreSQL cannot be reached (or no connection came free) in time."""
@@ -31,12 +42,14 @@ class Pool:
         *,
         size: int,
         timeout: float,
+        statement_timeout: float,
         prepare_threshold: int | None,
         on_change: Callable[[int, int], None] | None = None,
     ) -> None:
         self._on_change = on_change
         self._conninfo = conninfo
         self._timeout = timeout
+        self._statement_timeout = statement_timeout
         self._prepare_threshold = prepare_threshold
         self._slots = asyncio.Semaphore(size)
         self._idle: list[AsyncConn] = []
@@ -63,6 +76,8 @@ class Pool:
 
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[AsyncConn]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout  # waiting for a slot and connecting, together
         self._changed(waiting=1)
         try:
             await asyncio.wait_for(self._slots.acquire(), self._timeout)
@@ -75,15 +90,28 @@ class Pool:
             conn = self._take_idle()
             if conn is None:
                 try:
-                    conn = await asyncio.wait_for(self._connect(), self._timeout)
+                    conn = await asyncio.wait_for(self._connect(), deadline - loop.time())
                 except (psycopg.OperationalError, OSError, TimeoutError) as exc:
                     raise DatabaseUnavailable(str(exc) or "connection timed out") from exc
             self._changed(in_use=1)
             try:
-                yield conn
+                # The first expiry cancels the statement; the second, if the server has not
+                # answered the cancel, makes psycopg close the connection.
+                async with asyncio.timeout(self._statement_timeout + CANCEL_GRACE):
+                    async with asyncio.timeout(self._statement_timeout):
+                        yield conn
             except psycopg.OperationalError as exc:
-                self._discard_idle()
+                if lost(conn, exc):
+                    self._discard_idle()
                 raise DatabaseUnavailable(str(exc)) from exc
+            except psycopg.errors.ReadOnlySqlTransaction as exc:  # a standby, until promoted
+                raise DatabaseUnavailable(str(exc)) from exc
+            except TimeoutError:
+                bound = f"{self._statement_timeout:g} s statement timeout"
+                if conn.closed:
+                    self._discard_idle()
+                    raise DatabaseUnavailable(f"no answer from the database: {bound}") from None
+                raise DatabaseUnavailable(f"cancelled at the {bound}") from None
             finally:
                 self._changed(in_use=-1)
         finally:
@@ -101,7 +129,7 @@ class Pool:
             self._on_change(self.in_use, self.waiting)
 
     def _discard_idle(self) -> None:
-        """After one connection broke the others are suspect too (a restart drops them all)."""
+        """After one connection was lost the others are suspect too (a restart drops them all)."""
         idle, self._idle = self._idle, []
         for conn in idle:
             asyncio.get_running_loop().create_task(conn.close())
@@ -110,6 +138,16 @@ class Pool:
         idle, self._idle = self._idle, []
         for conn in idle:
             await conn.close()
+
+
+def lost(conn: AsyncConn, exc: psycopg.OperationalError) -> bool:
+    """The connection is gone, as opposed to a statement refused on a healthy one.
+
+    A timeout, a lock or resource limit (classes 53, 55, 57014) or a deadlock (class 40)
+    leaves the connection usable; a broken socket, class 08 or the end of the session does not.
+    """
+    sqlstate = exc.sqlstate or ""
+    return conn.closed or sqlstate.startswith("08") or sqlstate in SESSION_ENDED
 
 
 def sync_engine(conninfo: str) -> Engine:

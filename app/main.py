@@ -44,6 +44,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.database_url.get_secret_value(),
             size=settings.pool_size,
             timeout=settings.db_timeout,
+            statement_timeout=settings.statement_timeout,
             prepare_threshold=settings.prepare_threshold,
             on_change=observe.pool_changed,
         )

@@ -26,6 +26,8 @@ from prometheus_client import (
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.errors import problem_response
+
 REQUEST_SECONDS = Histogram(
     "steprecord_http_request_duration_seconds",
     "HTTP requests by method, route template and status.",
@@ -117,16 +119,23 @@ class Observe:
             rid = uuid.uuid4().hex
         token = request_id.set(rid)
         status = 500
+        started = False
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            # Starlette answers an unhandled error outside this middleware, without the id:
+            # answer it here, and re-raise so that the server still logs the traceback.
+            if not started:
+                await problem_response(exc)(scope, receive, send_with_id)
+            raise
         finally:
             seconds = time.perf_counter() - began
             template = _template(scope)

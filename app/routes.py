@@ -97,7 +97,11 @@ def _event_route(kind: steps.Kind) -> None:
             observe.count_event(kind, "refused")
             raise
         async with _pool(request).connection() as conn:
-            result = await steps.apply_event(conn, event)
+            try:
+                result = await steps.apply_event(conn, event)
+            except (steps.ConstraintViolation, steps.InvalidData):
+                observe.count_event(kind, "refused")
+                raise
         observe.count_event(kind, result.outcome)
         status, record = judged(result)
         return _json(record, status)

@@ -1,0 +1,564 @@
+"""Faults: bounded statements, held locks, a database that stops answering, brief outages."""
+
+import json
+import os
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from app.access import new_token
+from app.cli import migrate
+from tests.conftest import (
+    ROOT,
+    create_database,
+    drop_database,
+    free_port,
+    pgbouncer,
+    start_server,
+    stop,
+)
+from tests.helpers import problem
+
+STATEMENT_TIMEOUT = 1.0
+BOUNDED = {"STEPRECORD_STATEMENT_TIMEOUT": str(STATEMENT_TIMEOUT)}
+# The pool gives up on a statement whose cancel the server does not answer after 0.5 s more.
+WITHIN_BOUND = STATEMENT_TIMEOUT + 0.5 + 0.4
+needs_pgbouncer = pytest.mark.skipif(
+    shutil.which("pgbouncer") is None and not os.environ.get("CI"),
+    reason="PgBouncer is not installed (apt-get install pgbouncer); CI always runs this",
+)
+
+Watcher = psycopg.Connection[tuple[Any, ...]]
+
+
+@pytest.fixture(scope="module")
+def own_database(server_dsn: str) -> Iterator[str]:
+    name = "steprecord_faults_" + uuid.uuid4().hex[:8]
+    url = create_database(server_dsn, name)
+    try:
+        migrate(url)
+        yield url
+    finally:
+        drop_database(server_dsn, name)
+
+
+@pytest.fixture
+def watcher(own_database: str) -> Iterator[Watcher]:
+    """A connection of the test's own that looks at the server's sessions."""
+    with psycopg.connect(own_database, autocommit=True) as conn:
+        yield conn
+
+
+def tagged(database_url: str, application_name: str) -> str:
+    return psycopg.conninfo.make_conninfo(database_url, application_name=application_name)
+
+
+def sessions(watcher: Watcher, application_name: str) -> dict[int, str | None]:
+    """The service's sessions (pid: what each waits for), known by their application name."""
+    rows = watcher.execute(
+        "SELECT pid, wait_event_type FROM pg_stat_activity"
+        " WHERE application_name = %s AND pid <> pg_backend_pid()",
+        (application_name,),
+    ).fetchall()
+    return {pid: wait for pid, wait in rows}
+
+
+def lock_waits(watcher: Watcher) -> int:
+    """Sessions of this database waiting for a lock (the service's, through PgBouncer too)."""
+    row = watcher.execute(
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def eventually(check: Callable[[], bool], seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "did not happen in time"
+        time.sleep(0.02)
+
+
+@contextmanager
+def serving(
+    database_url: str, *extra: str, env: dict[str, str], stdout: Any = None
+) -> Iterator[str]:
+    url, proc = start_server(database_url, *extra, env=env, stdout=stdout)
+    try:
+        yield url
+    finally:
+        stop(proc)
+
+
+@contextmanager
+def row_locked(database_url: str, instance_key: str, step_slug: str) -> Iterator[None]:
+    """A raw connection holds the record's row lock until the block ends."""
+    with psycopg.connect(database_url) as holder:
+        locked = holder.execute(
+            "SELECT r.id FROM workflow_step_record r JOIN process_instance p"
+            " ON p.id = r.instance_id WHERE p.instance_key = %s AND r.step_slug = %s"
+            " FOR UPDATE OF r",
+            (instance_key, step_slug),
+        ).fetchall()
+        assert len(locked) == 1
+        try:
+            yield
+        finally:
+            holder.rollback()
+
+
+def timed(send: Callable[[], httpx.Response]) -> tuple[httpx.Response, float]:
+    began = time.monotonic()
+    response = send()
+    return response, time.monotonic() - began
+
+
+def complete_while_locked(
+    url: str, key: str, watcher: Watcher, application_name: str | None = None
+) -> tuple[httpx.Response, float, set[int]]:
+    """Post `complete` on a locked record; while it waits, a read takes a second connection.
+
+    Answers the response, its duration and the service's sessions seen while it waited.
+    """
+    outcome: list[tuple[httpx.Response, float]] = []
+
+    def complete() -> None:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            path = f"/v1/instances/{key}/steps/a/complete"
+            outcome.append(timed(lambda: client.post(path, json={"output": 1})))
+
+    waiting = threading.Thread(target=complete)
+    waiting.start()
+    try:
+        eventually(lambda: lock_waits(watcher) == 1, seconds=STATEMENT_TIMEOUT)
+        assert httpx.get(f"{url}/v1/instances/{key}", timeout=30).status_code == 200
+        seen = set(sessions(watcher, application_name)) if application_name else set()
+    finally:
+        waiting.join(30)
+    assert outcome, "the request did not come back"
+    return *outcome[0], seen
+
+
+def test_held_row_lock_answers_503_within_the_statement_timeout_and_keeps_the_pool(
+    own_database: str, watcher: Watcher
+) -> None:
+    name = "steprecord-lock-" + uuid.uuid4().hex[:8]
+    key = "lock-" + uuid.uuid4().hex[:8]
+    with serving(tagged(own_database, name), env=BOUNDED) as url:
+        assert httpx.post(f"{url}/v1/instances/{key}/steps/a/start").status_code == 201
+        with row_locked(own_database, key, "a"):
+            response, seconds, seen = complete_while_locked(url, key, watcher, name)
+            assert problem(response, 503, "unavailable")["detail"].endswith(
+                "cancelled at the 1 s statement timeout"
+            )
+            assert response.headers["retry-after"]
+            assert STATEMENT_TIMEOUT <= seconds < WITHIN_BOUND
+            assert lock_waits(watcher) == 0, "the statement still waits in the server"
+            assert len(seen) >= 2
+            assert seen <= set(sessions(watcher, name)), "the pool dropped healthy connections"
+        after = httpx.post(f"{url}/v1/instances/{key}/steps/a/complete", json={"output": 1})
+        assert after.status_code == 200
+        assert after.json()["status"] == "completed"
+
+
+@needs_pgbouncer
+def test_held_row_lock_behind_pgbouncer_is_cancelled_in_the_server(
+    own_database: str, watcher: Watcher
+) -> None:
+    key = "bounced-" + uuid.uuid4().hex[:8]
+    with pgbouncer(own_database) as bounced, serving(bounced, "--workers", "2", env=BOUNDED) as url:
+        assert httpx.post(f"{url}/v1/instances/{key}/steps/a/start").status_code == 201
+        with row_locked(own_database, key, "a"):
+            response, seconds, _ = complete_while_locked(url, key, watcher)
+            problem(response, 503, "unavailable")
+            assert response.headers["retry-after"]
+            assert seconds < WITHIN_BOUND
+            assert lock_waits(watcher) == 0, "the cancel did not reach the server"
+        after = httpx.post(f"{url}/v1/instances/{key}/steps/a/complete", json={"output": 1})
+        assert after.status_code == 200
+
+
+def test_lock_timeout_of_the_database_answers_503_and_keeps_the_pool(
+    own_database: str, watcher: Watcher
+) -> None:
+    """A `lock_timeout` an operator sets on the database or role (55P03) is not an outage."""
+    name = "steprecord-lock-timeout-" + uuid.uuid4().hex[:8]
+    key = "lt-" + uuid.uuid4().hex[:8]
+    database = psycopg.conninfo.conninfo_to_dict(own_database)["dbname"]
+    watcher.execute(f"ALTER DATABASE \"{database}\" SET lock_timeout = '1s'")
+    try:
+        env = {"STEPRECORD_STATEMENT_TIMEOUT": "30"}
+        with serving(tagged(own_database, name), env=env) as url:
+            assert httpx.post(f"{url}/v1/instances/{key}/steps/a/start").status_code == 201
+            with row_locked(own_database, key, "a"):
+                response, seconds, seen = complete_while_locked(url, key, watcher, name)
+                assert "lock timeout" in problem(response, 503, "unavailable")["detail"]
+                assert response.headers["retry-after"]
+                assert seconds < 5
+                assert len(seen) >= 2
+                assert seen <= set(sessions(watcher, name)), "the pool dropped healthy connections"
+            after = httpx.post(f"{url}/v1/instances/{key}/steps/a/complete", json={"output": 1})
+            assert after.status_code == 200
+    finally:
+        watcher.execute(f'ALTER DATABASE "{database}" RESET lock_timeout')
+
+
+class FreezableProxy:
+    """A TCP proxy to PostgreSQL that can stop answering.
+
+    Frozen, it accepts connections and never answers them, and relays nothing on the open
+    ones: a hung server, as far as a client can tell. Thawed, it drops what it held and
+    relays new connections again.
+    """
+
+    def __init__(self, upstream: tuple[str, int], *, frozen: bool = False) -> None:
+        self._upstream = upstream
+        self._frozen = frozen
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._peers: dict[socket.socket, socket.socket] = {}
+        self._held: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "FreezableProxy":
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stopping.set()
+        self._thread.join(10)
+        with self._lock:
+            self._drop_all()
+        self._listener.close()
+
+    def url(self, database_url: str) -> str:
+        return psycopg.conninfo.make_conninfo(database_url, host="127.0.0.1", port=self.port)
+
+    def freeze(self) -> None:
+        with self._lock:
+            self._frozen = True
+
+    def thaw(self) -> None:
+        with self._lock:
+            self._drop_all()
+            self._frozen = False
+
+    def _drop_all(self) -> None:
+        for sock in [*self._peers, *self._held]:
+            sock.close()
+        self._peers.clear()
+        self._held.clear()
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            with self._lock:
+                watched = [self._listener, *([] if self._frozen else self._peers)]
+            readable, _, _ = select.select(watched, [], [], 0.05)
+            with self._lock:
+                for sock in readable:
+                    if sock is self._listener:
+                        self._accept()
+                    elif sock in self._peers and not self._frozen:
+                        self._relay(sock)
+
+    def _accept(self) -> None:
+        client, _ = self._listener.accept()
+        if self._frozen:
+            self._held.append(client)
+            return
+        server = socket.create_connection(self._upstream)
+        self._peers[client], self._peers[server] = server, client
+
+    def _relay(self, sock: socket.socket) -> None:
+        peer = self._peers[sock]
+        try:
+            data = sock.recv(65536)
+            if data:
+                peer.sendall(data)
+                return
+        except OSError:
+            pass
+        for end in (sock, peer):
+            self._peers.pop(end, None)
+            end.close()
+
+
+def upstream(database_url: str) -> tuple[str, int]:
+    info = psycopg.conninfo.conninfo_to_dict(database_url)
+    return str(info.get("host", "127.0.0.1")), int(str(info.get("port", 5432)))
+
+
+def start_app(database_url: str) -> tuple[str, subprocess.Popen[bytes]]:
+    """The app under uvicorn, without `serve`'s migration (which needs a working database)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory"),
+            *("--port", str(port), "--log-level", "warning"),
+        ],
+        env={**os.environ, "DATABASE_URL": database_url},
+        cwd=ROOT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def alive() -> bool:
+            assert proc.poll() is None, "the server exited"
+            try:
+                return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        eventually(alive, seconds=30)
+    except BaseException:
+        stop(proc)
+        raise
+    return url, proc
+
+
+def hammer(url: str, paths: list[str], seconds: float) -> list[tuple[httpx.Response, float]]:
+    """Requests to `paths` from one thread per path, over and over for `seconds`."""
+    stop_at = time.monotonic() + seconds
+
+    def keep_sending(path: str) -> list[tuple[httpx.Response, float]]:
+        answers = []
+        method = "POST" if path.endswith("/start") else "GET"
+        with httpx.Client(base_url=url, timeout=30) as client:
+            while time.monotonic() < stop_at:
+                answers.append(timed(lambda: client.request(method, path)))
+        return answers
+
+    with ThreadPoolExecutor(len(paths)) as pool:
+        return [answer for answers in pool.map(keep_sending, paths) for answer in answers]
+
+
+def assert_prompt_503s(answers: list[tuple[httpx.Response, float]]) -> None:
+    assert answers
+    for response, seconds in answers:
+        problem(response, 503, "unavailable")
+        assert response.headers["retry-after"]
+        assert seconds < 2, f"a request took {seconds:.2f} s"
+
+
+def test_database_that_accepts_and_never_answers_gets_503_within_2_seconds(
+    own_database: str,
+) -> None:
+    with FreezableProxy(upstream(own_database), frozen=True) as proxy:
+        url, proc = start_app(proxy.url(own_database))
+        try:
+            paths = ["/readyz"] * 14 + ["/v1/instances/r/steps/a/start", "/v1/instances"]
+            assert_prompt_503s(hammer(url, paths, seconds=4))
+        finally:
+            stop(proc)
+
+
+def test_database_that_stops_answering_mid_session_gets_503_within_2_seconds_and_recovers(
+    own_database: str,
+) -> None:
+    key = "hung-" + uuid.uuid4().hex[:8]
+    with FreezableProxy(upstream(own_database)) as proxy:
+        url, proc = start_server(proxy.url(own_database), env=BOUNDED)
+        try:
+            with httpx.Client(base_url=url, timeout=30) as client:
+                assert client.post(f"/v1/instances/{key}/steps/a/start").status_code == 201
+                proxy.freeze()
+                paths = [f"/v1/instances/{key}/steps/b{i}/start" for i in range(8)]
+                paths += [f"/v1/instances/{key}/steps", "/readyz"] * 3
+                assert_prompt_503s(hammer(url, paths, seconds=4))
+                proxy.thaw()
+                path = f"/v1/instances/{key}/steps/c/start"
+                eventually(lambda: client.post(path).status_code == 201, seconds=5)
+                assert client.get("/readyz").status_code == 200
+        finally:
+            stop(proc)
+
+
+def terminate_sessions(watcher: Watcher, application_name: str) -> None:
+    watcher.execute(
+        "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
+        " WHERE application_name = %s AND pid <> pg_backend_pid()",
+        (application_name,),
+    )
+
+
+def logged(path: Path, check: Callable[[dict[str, Any]], bool]) -> bool:
+    for raw in path.read_text().splitlines():
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(line, dict) and check(line):
+            return True
+    return False
+
+
+def test_revoked_token_stops_working_after_the_database_was_briefly_down_and_strange(
+    own_database: str, watcher: Watcher, tmp_path: Path
+) -> None:
+    """The token reload survives an outage and an error it did not expect (here a migration
+    under way renamed a column), so a later revocation still takes effect on every worker."""
+    name = "steprecord-tokens-" + uuid.uuid4().hex[:8]
+    token, digest = new_token()
+    bearer = {"Authorization": f"Bearer {token}"}
+    log = tmp_path / "stdout.jsonl"
+    env = {**BOUNDED, "STEPRECORD_TOKEN_REFRESH_SECONDS": "0.3"}
+    with (
+        log.open("wb") as out,
+        serving(tagged(own_database, name), "--workers", "2", env=env, stdout=out) as url,
+        httpx.Client(base_url=url, timeout=30) as client,
+    ):
+
+        def every_worker(answers: Callable[[], int], status: int) -> bool:
+            return all(answers() == status for _ in range(8))
+
+        watcher.execute(
+            "INSERT INTO api_token (name, scope, token_sha256) VALUES (%s, 'write', %s)",
+            (name, digest),
+        )
+        try:
+            eventually(lambda: every_worker(lambda: client.get("/v1/instances").status_code, 401))
+            assert every_worker(
+                lambda: client.get("/v1/instances", headers=bearer).status_code, 200
+            )
+            terminate_sessions(watcher, name)
+            watcher.execute("ALTER TABLE api_token RENAME COLUMN scope TO scope_during_migration")
+            try:
+                eventually(
+                    lambda: logged(
+                        log,
+                        lambda line: (
+                            line.get("logger") == "steprecord.access"
+                            and "UndefinedColumn" in line.get("error", "")
+                        ),
+                    )
+                )
+            finally:
+                watcher.execute(
+                    "ALTER TABLE api_token RENAME COLUMN scope_during_migration TO scope"
+                )
+            terminate_sessions(watcher, name)
+        finally:
+            watcher.execute("DELETE FROM api_token WHERE name = %s", (name,))
+        eventually(
+            lambda: every_worker(
+                lambda: client.get("/v1/instances", headers=bearer).status_code, 401
+            ),
+            seconds=15,
+        )
+
+
+def test_write_to_a_read_only_database_answers_503(own_database: str, watcher: Watcher) -> None:
+    """A standby that is not promoted yet refuses writes: that is an outage, not a 500."""
+    name = "steprecord-read-only-" + uuid.uuid4().hex[:8]
+    key = "ro-" + uuid.uuid4().hex[:8]
+    database = psycopg.conninfo.conninfo_to_dict(own_database)["dbname"]
+    with serving(tagged(own_database, name), env=BOUNDED) as url:
+        watcher.execute(f'ALTER DATABASE "{database}" SET default_transaction_read_only = on')
+        try:
+            terminate_sessions(watcher, name)
+
+            def refused_as_read_only() -> bool:
+                # The first answer may still be the terminated session's.
+                refused = httpx.post(f"{url}/v1/instances/{key}/steps/a/start")
+                assert refused.headers["retry-after"]
+                return "read-only" in problem(refused, 503, "unavailable")["detail"]
+
+            eventually(refused_as_read_only)
+        finally:
+            watcher.execute(f'ALTER DATABASE "{database}" RESET default_transaction_read_only')
+        terminate_sessions(watcher, name)
+        path = f"{url}/v1/instances/{key}/steps/a/start"
+        eventually(lambda: httpx.post(path).status_code == 201)
+
+
+def report_batch(key: str) -> list[dict[str, Any]]:
+    """Three statements: a step seen again starts the next one (a, b | a, x, b | x)."""
+    steps: list[tuple[str, str, dict[str, Any]]] = [
+        ("a", "start", {"started_at": "2026-12-02T10:00:01Z"}),
+        ("b", "start", {"started_at": "2026-12-02T10:00:01Z"}),
+        ("a", "complete", {"completed_at": "2026-12-02T10:00:02Z", "output": {"a": 1}}),
+        ("x", "start", {"started_at": "2026-12-02T10:00:02Z"}),
+        ("b", "fail", {"completed_at": "2026-12-02T10:00:03Z", "error_code": "E"}),
+        ("x", "complete", {"completed_at": "2026-12-02T10:00:03Z", "output": 2}),
+    ]
+    return [
+        {"instance_key": key, "step_slug": slug, "kind": kind, "attempt": 1, **fields}
+        for slug, kind, fields in steps
+    ]
+
+
+def facts(client: httpx.Client, key: str) -> dict[str, tuple[Any, ...]]:
+    items = client.get(f"/v1/instances/{key}/steps").json()["items"]
+    fields = (
+        *("ordinal", "status", "attempt_count", "output", "external_output_url"),
+        *("started_at", "completed_at", "error_code", "error_message"),
+    )
+    return {item["step_slug"]: tuple(item[f] for f in fields) for item in items}
+
+
+def test_batch_cut_by_an_outage_midway_ends_as_a_clean_run_when_sent_again(
+    own_database: str, watcher: Watcher
+) -> None:
+    """Earlier statements of a batch stay committed when a later one meets an outage; sending
+    the whole batch again replays them and applies the rest (see the README, Batch)."""
+    name = "steprecord-batch-" + uuid.uuid4().hex[:8]
+    cut, clean = "cut-" + uuid.uuid4().hex[:8], "clean-" + uuid.uuid4().hex[:8]
+    env = {"STEPRECORD_STATEMENT_TIMEOUT": "30"}
+    with (
+        serving(tagged(own_database, name), env=env) as url,
+        httpx.Client(base_url=url, timeout=60) as client,
+    ):
+        for key in (cut, clean):
+            assert client.post(f"/v1/instances/{key}/steps/x/declare").status_code == 201
+        sent = client.post("/v1/events", json={"events": report_batch(clean)})
+        assert all(r["status"] in (200, 201) for r in sent.json()["results"])
+
+        answers: list[httpx.Response] = []
+        with row_locked(own_database, cut, "x"):  # the second statement waits for x
+            sending = threading.Thread(
+                target=lambda: answers.append(
+                    client.post("/v1/events", json={"events": report_batch(cut)})
+                )
+            )
+            sending.start()
+            try:
+                eventually(lambda: lock_waits(watcher) == 1)
+                watcher.execute(
+                    "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
+                    " WHERE application_name = %s AND wait_event_type = 'Lock'",
+                    (name,),
+                )
+            finally:
+                sending.join(30)
+        problem(answers[0], 503, "unavailable")
+        left = facts(client, cut)
+        assert (left["a"][1], left["b"][1], left["x"][1]) == ("running", "running", "pending")
+
+        for _ in range(2):  # again after the outage, and once more: a replay of it all
+            again = client.post("/v1/events", json={"events": report_batch(cut)})
+            assert again.status_code == 200
+            assert all(r["status"] in (200, 201) for r in again.json()["results"])
+            assert facts(client, cut) == facts(client, clean)
