@@ -59,26 +59,39 @@ def test_serve_without_database_url_runs_embedded_and_keeps_records(tmp_path: Pa
         stop(proc)
 
 
-def test_banner_hides_the_database_password(database_url: str) -> None:
+@pytest.mark.parametrize(
+    "form",
+    [
+        "postgresql://postgres:s3cr%65t@/{dbname}?host={host}&port={port}",
+        "postgresql://postgres@/{dbname}?host={host}&port={port}&password=s3cr%65t",
+        "host={host} port={port} user=postgres password=s3cret dbname={dbname}",
+    ],
+    ids=["url userinfo", "url query", "key=value"],
+)
+def test_serve_banner_never_shows_the_database_password(database_url: str, form: str) -> None:
     info = psycopg.conninfo.conninfo_to_dict(database_url)
     host = str(info.get("host", "127.0.0.1"))
-    port = info.get("port", 5432)
-    secret_url = f"postgresql://postgres:s3cret@/{info['dbname']}?host={host}&port={port}"
+    secret_url = form.format(dbname=info["dbname"], host=host, port=info.get("port", 5432))
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--port", str(free_port())],
         env={**os.environ, "DATABASE_URL": secret_url},
         cwd=ROOT,
         stderr=subprocess.PIPE,
     )
+    lines = []
     try:
         assert proc.stderr is not None
-        line = proc.stderr.readline().decode()
-        while "listening" not in line and line:
-            line = proc.stderr.readline().decode()
+        for raw in proc.stderr:
+            lines.append(raw.decode())
+            if "listening" in lines[-1]:
+                break
     finally:
         stop(proc)
-    assert "postgres:***@" in line
-    assert "s3cret" not in line
+    banner = "".join(lines)
+    assert "listening" in banner
+    assert "password=***" in banner
+    assert "s3cret" not in banner
+    assert "s3cr%65t" not in banner
 
 
 def test_migrate_command_brings_a_database_to_head(scratch_database: str) -> None:
