@@ -29,8 +29,7 @@ class Settings(BaseSettings):
     db_timeout: float = Field(default=1.5, gt=0, le=30)
     # psycopg's prepare_threshold; None keeps no server-side prepared statements (PgBouncer).
     prepare_threshold: int | None = None
-    # The address `serve` binds; anonymous access needs a loopback one (or insecure_no_auth).
-    host: str = "127.0.0.1"
+    # Anonymous access while no token exists also through a proxy or a public address.
     insecure_no_auth: bool = False
     # How often each worker reloads the tokens (revocations take effect within this time).
     token_refresh_seconds: float = Field(default=2.0, gt=0, le=60)
@@ -60,6 +59,9 @@ def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # ::ffff:127.0.0.1, as a dual-stack socket reports it
+    return address.is_loopback

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from app import errors, observe, routes, schemas
 from app.access import AccessControl, Tokens
-from app.config import Settings, is_loopback
+from app.config import Settings
 from app.db import DatabaseUnavailable, Pool
 from app.observe import Observe
 from app.steps import SchemaMissing
@@ -49,7 +49,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         tokens = Tokens(
             pool,
-            anonymous_without_tokens=settings.insecure_no_auth or is_loopback(settings.host),
+            insecure_no_auth=settings.insecure_no_auth,
             refresh=settings.token_refresh_seconds,
         )
         app.state.pool, app.state.tokens, app.state.schema_head = pool, tokens, schema_head()
