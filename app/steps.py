@@ -527,6 +527,13 @@ async def schema_revision(conn: AsyncConn) -> str | None:
     return None if row is None else str(row["version_num"])
 
 
+# Taken first in the migration transaction and held until it ends, so instances that start
+# together migrate one after the other and the later ones find the schema at head. A
+# transaction-level lock also holds and ends correctly through PgBouncer in transaction mode,
+# where a session-level one would stay on whichever server connection took it.
+MIGRATION_LOCK = "SELECT pg_advisory_xact_lock(hashtext('steprecord'), hashtext('migrate'))"
+
+
 # --- tokens -----------------------------------------------------------------------------
 
 
