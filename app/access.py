@@ -3,6 +3,11 @@
 Each worker reloads the tokens every few seconds, so a check costs no database round trip,
 and a new or revoked token takes effect on every worker within that time. Only SHA-256
 digests are held; a presented token is hashed and looked up by digest.
+
+Without any token, a request may be anonymous only when it is direct: it reached a loopback
+address of this server (the local end of its connection, not the configured host) and
+carries no header a proxy adds. A proxy on the same machine connects over loopback for
+everyone it serves; its headers are what tells its requests apart.
 """
 
 import asyncio
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app import steps
+from app.config import is_loopback
 from app.db import DatabaseUnavailable, Pool
 from app.errors import Problem, problem_response
 
@@ -22,6 +28,17 @@ log = logging.getLogger("steprecord.access")
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
 SCOPES = ("read", "write")
 MAX_BACKOFF_SECONDS = 30.0
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+PROXY_HEADERS = frozenset(
+    {
+        b"forwarded",
+        b"via",
+        b"x-forwarded-for",
+        b"x-forwarded-host",
+        b"x-forwarded-proto",
+        b"x-real-ip",
+    }
+)
 
 
 def new_token() -> tuple[str, bytes]:
@@ -42,9 +59,10 @@ class Grant:
 
 
 class Tokens:
-    def __init__(self, pool: Pool, *, anonymous_without_tokens: bool, refresh: float) -> None:
+    def __init__(self, pool: Pool, *, insecure_no_auth: bool, refresh: float) -> None:
         self._pool = pool
-        self._anonymous_without_tokens = anonymous_without_tokens
+        self._insecure_no_auth = insecure_no_auth
+        self._anonymous_allowed = False  # the database's access policy, loaded with the tokens
         self._refresh = refresh
         self._grants: dict[bytes, Grant] | None = None  # None until first loaded
         self._used: set[int] = set()
@@ -59,6 +77,8 @@ class Tokens:
                     self._used |= used
                     raise
             rows = await steps.active_tokens(conn)
+            anonymous_allowed = await steps.anonymous_allowed(conn)
+        self._anonymous_allowed = anonymous_allowed
         self._grants = {
             bytes(r["token_sha256"]): Grant(r["id"], r["scope"], bytes(r["token_sha256"]))
             for r in rows
@@ -79,15 +99,33 @@ class Tokens:
                 log.exception("tokens not reloaded: unexpected error")
                 failures = min(failures + 1, 10)
 
-    def check(self, authorization: str | None, needed: str) -> Problem | None:
-        """None when the request may proceed, else the problem to answer with."""
+    def check(self, authorization: str | None, needed: str, *, direct: bool) -> Problem | None:
+        """None when the request may proceed, else the problem to answer with.
+
+        `direct`: the request reached a loopback address and names no proxy.
+        """
         grants = self._grants
         if grants is None:
             return Problem(503, "unavailable", "access tokens are not loaded yet")
         if authorization is None:
-            if not grants and self._anonymous_without_tokens:
+            if grants:
+                return Problem(401, "unauthorized", "send Authorization: Bearer <token>")
+            if not self._anonymous_allowed:
+                return Problem(
+                    401,
+                    "unauthorized",
+                    "send Authorization: Bearer <token>; tokens have been configured,"
+                    " so anonymous access stays closed after the last one is revoked",
+                )
+            if direct or self._insecure_no_auth:
                 return None
-            return Problem(401, "unauthorized", "send Authorization: Bearer <token>")
+            return Problem(
+                401,
+                "unauthorized",
+                "send Authorization: Bearer <token>; without tokens only direct requests to a"
+                " loopback address are anonymous, and this one came through a proxy or a"
+                " public address",
+            )
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return Problem(401, "unauthorized", "the Authorization header is not a bearer token")
@@ -101,8 +139,13 @@ class Tokens:
         return None
 
 
+def _is_direct(scope: Scope, proxied: bool) -> bool:
+    server = scope.get("server")  # the local end of the connection; a Unix socket has no port
+    return not proxied and server is not None and server[1] is not None and is_loopback(server[0])
+
+
 class AccessControl:
-    """ASGI middleware: POST needs a write token, anything else a read token."""
+    """ASGI middleware: GET, HEAD and OPTIONS need a read token, any other method a write one."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -113,12 +156,15 @@ class AccessControl:
             return
         tokens: Tokens = scope["app"].state.tokens
         authorization = None
+        proxied = False
         for name, value in scope["headers"]:
             if name == b"authorization":
-                authorization = value.decode("latin-1")
-                break
-        needed = "write" if scope["method"] == "POST" else "read"
-        problem = tokens.check(authorization, needed)
+                if authorization is None:
+                    authorization = value.decode("latin-1")
+            elif name in PROXY_HEADERS:
+                proxied = True
+        needed = "read" if scope["method"] in READ_METHODS else "write"
+        problem = tokens.check(authorization, needed, direct=_is_direct(scope, proxied))
         if problem is None:
             await self.app(scope, receive, send)
             return

@@ -73,7 +73,6 @@ def serve(args: argparse.Namespace) -> int:
             return 2
         # The workers build their app from the environment.
         os.environ["DATABASE_URL"] = url
-        os.environ["STEPRECORD_HOST"] = args.host
         os.environ["STEPRECORD_INSECURE_NO_AUTH"] = "1" if args.insecure_no_auth else "0"
         metrics_dir = None
         if args.workers > 1:
@@ -111,7 +110,10 @@ async def _token(args: argparse.Namespace, url: str) -> int:
             try:
                 await steps.create_token(conn, args.name, args.scope, digest)
             except steps.ConstraintViolation as exc:
-                print(f"cannot create token {args.name!r}: {exc.constraint}", file=sys.stderr)
+                print(
+                    f"cannot create token {args.name!r}: {_refusal(exc, args.name)}",
+                    file=sys.stderr,
+                )
                 return 1
             print(token)
             print(
@@ -124,12 +126,49 @@ async def _token(args: argparse.Namespace, url: str) -> int:
                     f"{row['name']}\t{row['scope']}\tcreated {row['created_at'].isoformat()}"
                     f"\tlast used {used}"
                 )
-        elif not await steps.revoke_token(conn, args.name):
-            print(f"no token named {args.name!r}", file=sys.stderr)
-            return 1
+            print(USE_RECORDED.format(seconds=Settings().token_refresh_seconds), file=sys.stderr)
+        elif args.action == "allow-anonymous":
+            if not await steps.allow_anonymous(conn):
+                print(
+                    "tokens exist: revoke them first (anonymous access applies only when none"
+                    " is left)",
+                    file=sys.stderr,
+                )
+                return 1
+            print(
+                "with no token, requests made directly to a loopback address are anonymous"
+                " again (through a proxy or on a public address only with --insecure-no-auth);"
+                " creating a token ends that",
+                file=sys.stderr,
+            )
         else:
+            remaining = await steps.revoke_token(conn, args.name)
+            if remaining is None:
+                print(f"no token named {args.name!r}", file=sys.stderr)
+                return 1
             print(f"revoked {args.name!r}", file=sys.stderr)
+            if remaining == 0:
+                print(
+                    "that was the last token: every request is refused (401) until a token is"
+                    " created with\n  steprecord token create NAME --scope write\n"
+                    "or anonymous access is allowed again with\n"
+                    "  steprecord token allow-anonymous",
+                    file=sys.stderr,
+                )
     return 0
+
+
+USE_RECORDED = (
+    "each worker records use every {seconds:g} s: a use shows up in `last used` within that"
+)
+
+
+def _refusal(exc: steps.ConstraintViolation, name: str) -> str:
+    if exc.constraint == "uq_api_token_name":
+        return f"a token of that name exists (revoke it with: steprecord token revoke {name})"
+    if exc.constraint == "ck_api_token_name_format":
+        return "a name is 1-200 characters of [A-Za-z0-9._:-], starting with a letter or digit"
+    return f"refused by {exc.constraint}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,9 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     p_create = actions.add_parser("create", help="print a new token (once) and store its hash")
     p_create.add_argument("name")
     p_create.add_argument("--scope", choices=SCOPES, required=True)
-    actions.add_parser("list", help="names, scopes and times; never the tokens")
+    actions.add_parser(
+        "list",
+        help="names, scopes and times, never the tokens; a use shows up within"
+        " STEPRECORD_TOKEN_REFRESH_SECONDS (default 2)",
+    )
     p_revoke = actions.add_parser("revoke", help="end a token's access")
     p_revoke.add_argument("name")
+    actions.add_parser(
+        "allow-anonymous",
+        help="with no token left, let direct loopback requests be anonymous again",
+    )
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)

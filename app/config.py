@@ -4,7 +4,8 @@ import ipaddress
 import os
 from pathlib import Path
 
-from psycopg.conninfo import conninfo_to_dict
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -31,8 +32,7 @@ class Settings(BaseSettings):
     statement_timeout: float = Field(default=5.0, gt=0, le=600)
     # psycopg's prepare_threshold; None keeps no server-side prepared statements (PgBouncer).
     prepare_threshold: int | None = None
-    # The address `serve` binds; anonymous access needs a loopback one (or insecure_no_auth).
-    host: str = "127.0.0.1"
+    # Anonymous access while no token exists also through a proxy or a public address.
     insecure_no_auth: bool = False
     # How often each worker reloads the tokens (revocations take effect within this time).
     token_refresh_seconds: float = Field(default=2.0, gt=0, le=60)
@@ -40,25 +40,33 @@ class Settings(BaseSettings):
     sweep_seconds: float = Field(default=5.0, ge=0, le=3600)
 
 
-def redact(url: str) -> str:
-    """The URL (or key=value conninfo) with its password replaced by `***`."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        params = conninfo_to_dict(url)
-        if "password" in params:
-            params["password"] = "***"
-        return " ".join(f"{key}={value}" for key, value in params.items())
-    if "@" not in rest:
-        return url
-    userinfo, at, host = rest.rpartition("@")
-    user, colon, _ = userinfo.partition(":")
-    return f"{scheme}://{user}{':***' if colon else ''}{at}{host}"
+SECRET_PARAMETERS = ("password", "sslpassword")
+
+
+def redact(conninfo: str) -> str:
+    """The connection string as `key=value` pairs with every secret replaced by `***`.
+
+    libpq parses it (URL userinfo, URL query parameters, `key=value` pairs, percent escapes
+    alike), and the result is rebuilt from the parsed pairs, so no part of the original text
+    can carry a secret through.
+    """
+    try:
+        params = conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError:
+        return "(a connection string libpq cannot parse)"
+    for key in SECRET_PARAMETERS:
+        if key in params:
+            params[key] = "***"
+    return make_conninfo("", **params)
 
 
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # ::ffff:127.0.0.1, as a dual-stack socket reports it
+    return address.is_loopback

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from app import errors, observe, routes, schemas, sweeper
 from app.access import AccessControl, Tokens
-from app.config import Settings, is_loopback
+from app.config import Settings
 from app.db import DatabaseUnavailable, Pool
 from app.observe import Observe
 from app.steps import SchemaMissing
@@ -33,6 +33,19 @@ def schema_head() -> str:
     return head
 
 
+# Revisions newer than this code's head that it is known to run against: a later release's
+# migrations that only add what this code never reads or writes. During a rolling deploy the
+# new release migrates ahead while this one still serves: /readyz stays 200 on them, and
+# `migrate` leaves such a database as it is. Any other revision ahead is 503.
+COMPATIBLE_AHEAD: frozenset[str] = frozenset()
+
+
+def known_revisions() -> frozenset[str]:
+    """Every revision in this code's migrations (those it could upgrade from)."""
+    script = ScriptDirectory.from_config(alembic_config())
+    return frozenset(revision.revision for revision in script.walk_revisions())
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
 
@@ -50,10 +63,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         tokens = Tokens(
             pool,
-            anonymous_without_tokens=settings.insecure_no_auth or is_loopback(settings.host),
+            insecure_no_auth=settings.insecure_no_auth,
             refresh=settings.token_refresh_seconds,
         )
         app.state.pool, app.state.tokens, app.state.schema_head = pool, tokens, schema_head()
+        app.state.schema_known = known_revisions()
+        app.state.schema_accepted = frozenset({app.state.schema_head, *COMPATIBLE_AHEAD})
         with contextlib.suppress(DatabaseUnavailable, SchemaMissing):
             await tokens.load()
         tasks = [asyncio.create_task(tokens.keep_loading())]

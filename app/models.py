@@ -8,6 +8,7 @@ from datetime import datetime
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     DateTime,
@@ -260,3 +261,19 @@ class ApiToken(SQLModel, table=True):
     last_used_at: datetime | None = Field(
         default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
     )
+
+
+class AccessPolicy(SQLModel, table=True):
+    """One row: once any token has existed, tokens stay required even when none is left."""
+
+    __tablename__ = "access_policy"
+    __table_args__ = (CheckConstraint("id", name="one_row"),)
+
+    id: bool = Field(
+        default=True,
+        sa_column=Column(Boolean, primary_key=True, server_default=text("true")),
+    )
+    tokens_required: bool = Field(
+        default=False, sa_column=Column(Boolean, nullable=False, server_default=text("false"))
+    )
+    updated_at: datetime = Field(sa_column=_now())

@@ -351,9 +351,21 @@ async def healthz() -> Response:
     responses={503: {"model": schemas.ProblemModel}},
 )
 async def readyz(request: Request) -> Response:
-    head: str = request.app.state.schema_head
+    state = request.app.state
     async with _pool(request).connection() as conn:
         current = await steps.schema_revision(conn)
-    if current != head:
-        raise Problem(503, "unavailable", f"schema at {current}, expected {head}")
+    if current not in state.schema_accepted:
+        detail = _schema_mismatch(current, state.schema_head, state.schema_known)
+        raise Problem(503, "unavailable", detail)
     return _json({"status": "ready", "schema": current})
+
+
+def _schema_mismatch(current: str | None, head: str, known: frozenset[str]) -> str:
+    if current is None:
+        return f"the database has no schema yet (expected {head}): run `steprecord migrate`"
+    if current in known:
+        return f"schema at {current}, behind this code's head {head}: run `steprecord migrate`"
+    return (
+        f"schema at {current}, a revision this code does not know: it is neither one of its"
+        f" migrations (head {head}) nor declared compatible with it"
+    )

@@ -755,6 +755,13 @@ async def schema_revision(conn: AsyncConn) -> str | None:
     return None if row is None else str(row["version_num"])
 
 
+# Taken first in the migration transaction and held until it ends, so instances that start
+# together migrate one after the other and the later ones find the schema at head. A
+# transaction-level lock also holds and ends correctly through PgBouncer in transaction mode,
+# where a session-level one would stay on whichever server connection took it.
+MIGRATION_LOCK = "SELECT pg_advisory_xact_lock(hashtext('steprecord'), hashtext('migrate'))"
+
+
 # --- tokens -----------------------------------------------------------------------------
 
 
@@ -775,9 +782,42 @@ async def list_tokens(conn: AsyncConn) -> list[dict[str, Any]]:
     return await cur.fetchall()
 
 
-async def revoke_token(conn: AsyncConn, name: str) -> bool:
-    cur = await conn.execute("DELETE FROM api_token WHERE name = %s", (name,))
-    return cur.rowcount == 1
+REVOKE_TOKEN = """
+WITH gone AS (DELETE FROM api_token WHERE name = %s RETURNING id)
+SELECT count(*) AS removed, (SELECT count(*) FROM api_token) - count(*) AS remaining FROM gone
+"""
+
+
+async def revoke_token(conn: AsyncConn, name: str) -> int | None:
+    """The number of tokens left after revoking `name`, or None when no token has that name."""
+    cur = await conn.execute(REVOKE_TOKEN, (name,))
+    row = await cur.fetchone()
+    assert row is not None
+    return None if row["removed"] == 0 else int(row["remaining"])
+
+
+ALLOW_ANONYMOUS = """
+INSERT INTO access_policy (tokens_required)
+SELECT false WHERE NOT EXISTS (SELECT FROM api_token)
+ON CONFLICT (id) DO UPDATE SET tokens_required = false, updated_at = now()
+RETURNING id
+"""
+
+
+async def allow_anonymous(conn: AsyncConn) -> bool:
+    """Record that no token is required while none exists; False (nothing done) if any does."""
+    cur = await conn.execute(ALLOW_ANONYMOUS)
+    return await cur.fetchone() is not None
+
+
+async def anonymous_allowed(conn: AsyncConn) -> bool:
+    """Whether having no token means anonymous access (never, once a token has existed)."""
+    try:
+        cur = await conn.execute("SELECT tokens_required FROM access_policy")
+    except psycopg.errors.UndefinedTable as exc:
+        raise SchemaMissing(str(exc)) from exc
+    row = await cur.fetchone()
+    return row is not None and not row["tokens_required"]
 
 
 class SchemaMissing(Exception):

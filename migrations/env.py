@@ -1,20 +1,38 @@
 """Alembic environment: runs migrations on one connection from `app.db.sync_engine`."""
 
+import sys
+
 from alembic import context
+from sqlalchemy import Connection
 
 from app.config import Settings
 from app.db import sync_engine
+from app.main import COMPATIBLE_AHEAD
 from app.models import metadata
+from app.steps import MIGRATION_LOCK
 
 config = context.config
+
+
+def upgrade_on(connection: Connection) -> None:
+    context.configure(connection=connection, target_metadata=metadata)
+    with context.begin_transaction():
+        connection.exec_driver_sql(MIGRATION_LOCK)
+        current = context.get_context().get_current_revision()
+        if current in COMPATIBLE_AHEAD:
+            print(
+                f"the database is at {current}, ahead of this code and compatible with it:"
+                " left as it is",
+                file=sys.stderr,
+            )
+            return
+        context.run_migrations()
 
 
 def run_migrations_online() -> None:
     connection = config.attributes.get("connection")
     if connection is not None:
-        context.configure(connection=connection, target_metadata=metadata)
-        with context.begin_transaction():
-            context.run_migrations()
+        upgrade_on(connection)
         return
     url = config.attributes.get("database_url")
     if url is None:
@@ -25,9 +43,7 @@ def run_migrations_online() -> None:
     engine = sync_engine(url)
     try:
         with engine.connect() as conn:
-            context.configure(connection=conn, target_metadata=metadata)
-            with context.begin_transaction():
-                context.run_migrations()
+            upgrade_on(conn)
     finally:
         engine.dispose()
 

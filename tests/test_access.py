@@ -1,6 +1,7 @@
-"""Bearer tokens (contract §8), on a server and database of these tests' own."""
+"""Bearer tokens and anonymous access, on a server and database of these tests' own."""
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -10,9 +11,11 @@ from collections.abc import Callable, Iterator
 import httpx
 import psycopg
 import pytest
+from alembic import command
 
 from app.access import new_token
 from app.cli import migrate
+from app.main import alembic_config
 from tests.conftest import (
     ROOT,
     create_database,
@@ -20,6 +23,7 @@ from tests.conftest import (
     free_port,
     start_server,
     stop,
+    wait_ready,
 )
 
 REFRESH = {"STEPRECORD_TOKEN_REFRESH_SECONDS": "0.5"}
@@ -79,6 +83,7 @@ def server(shared_server: tuple[str, str]) -> Iterator[tuple[str, str]]:
     url, database_url = shared_server
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute("DELETE FROM api_token")
+        conn.execute("UPDATE access_policy SET tokens_required = false")
     reloaded()
     assert all(httpx.get(url + "/v1/instances").status_code == 200 for _ in range(6))
 
@@ -95,6 +100,16 @@ def insert_token(database_url: str, name: str, scope: str) -> str:
 
 def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
+
+
+def accepted_everywhere(url: str, token: str) -> None:
+    """Wait until every worker (each request is a new connection) has loaded `token`."""
+    headers = bearer(token)
+    eventually(
+        lambda: all(
+            httpx.get(url + "/v1/instances", headers=headers).status_code == 200 for _ in range(6)
+        )
+    )
 
 
 def test_first_token_ends_anonymous_access(server: tuple[str, str]) -> None:
@@ -166,16 +181,26 @@ def test_token_list_shows_names_and_use_but_never_tokens(server: tuple[str, str]
     url, database_url = server
     token = create_token(database_url, "listed", "read")
     reloaded()
-    httpx.get(url + "/v1/instances", headers=bearer(token))
-    time.sleep(1.2)  # the workers record use when they reload
-    listing = steprecord(database_url, "token", "list")
-    assert listing.returncode == 0
-    assert "listed\tread" in listing.stdout
-    assert token not in listing.stdout + listing.stderr
-    assert "last used never" not in listing.stdout
+    first = steprecord(database_url, "token", "list")
+    assert first.returncode == 0
+    assert "listed\tread" in first.stdout
+    assert "last used never" in first.stdout
+    assert "records use every 2 s" in first.stderr, first.stderr
+    assert httpx.get(url + "/v1/instances", headers=bearer(token)).status_code == 200
+    listings: list[subprocess.CompletedProcess[str]] = []
+
+    def use_shown() -> bool:
+        listings.append(steprecord(database_url, "token", "list"))
+        return "last used never" not in listings[-1].stdout
+
+    eventually(use_shown, seconds=10)
+    assert all(token not in done.stdout + done.stderr for done in [first, *listings])
     duplicate = steprecord(database_url, "token", "create", "listed", "--scope", "read")
     assert duplicate.returncode == 1
     assert duplicate.stdout == ""
+    assert "a token of that name exists" in duplicate.stderr
+    assert "steprecord token revoke listed" in duplicate.stderr
+    assert "uq_api_token_name" not in duplicate.stderr
     assert steprecord(database_url, "token", "revoke", "nobody").returncode == 1
 
 
@@ -198,6 +223,8 @@ def test_insecure_no_auth_only_allows_starting_without_tokens(scratch_database: 
     )
     try:
         assert httpx.post(url + START).status_code == 201
+        forwarded = {"X-Forwarded-For": "203.0.113.7"}
+        assert httpx.get(url + "/v1/instances", headers=forwarded).status_code == 200
         create_token(scratch_database, "first", "write")
         eventually(lambda: httpx.post(url + START).status_code == 401)
     finally:
@@ -213,3 +240,150 @@ def test_public_address_with_a_token_starts(scratch_database: str) -> None:
         assert httpx.get(url + "/v1/instances", headers=bearer(token)).status_code == 200
     finally:
         stop(proc)
+
+
+def test_a_read_token_may_not_use_any_writing_method(server: tuple[str, str]) -> None:
+    url, database_url = server
+    reader = insert_token(database_url, "reader", "read")
+    writer = insert_token(database_url, "writer", "write")
+    accepted_everywhere(url, reader)
+    for method in ["DELETE", "PUT", "PATCH"] * 3:  # on both workers
+        forbidden = httpx.request(method, url + START, headers=bearer(reader))
+        assert forbidden.status_code == 403, forbidden.text
+        assert forbidden.json()["code"] == "forbidden"
+        assert httpx.request(method, url + START).status_code == 401
+        not_allowed = httpx.request(method, url + START, headers=bearer(writer))
+        assert not_allowed.status_code == 405
+        assert not_allowed.json()["code"] == "method_not_allowed"
+
+
+def test_a_read_token_may_get_and_head(server: tuple[str, str]) -> None:
+    url, database_url = server
+    reader = insert_token(database_url, "reader", "read")
+    accepted_everywhere(url, reader)
+    for _ in range(4):
+        assert httpx.get(url + "/v1/instances", headers=bearer(reader)).status_code == 200
+        assert httpx.head(url + "/v1/instances").status_code == 401
+        # The routes answer GET only: past the access check, HEAD is the router's 405.
+        assert httpx.head(url + "/v1/instances", headers=bearer(reader)).status_code == 405
+
+
+PROXY_HEADERS = [
+    {"X-Forwarded-For": "203.0.113.7"},
+    {"Forwarded": "for=203.0.113.7;proto=https"},
+    {"X-Real-IP": "203.0.113.7"},
+    {"X-Forwarded-Proto": "https"},
+    {"X-Forwarded-Host": "steps.example.com"},
+    {"Via": "1.1 proxy"},
+]
+
+
+def test_without_tokens_a_proxied_request_is_not_anonymous(server: tuple[str, str]) -> None:
+    url, _ = server
+    for headers in PROXY_HEADERS * 2:  # on both workers
+        assert httpx.get(url + "/v1/instances").status_code == 200
+        refused = httpx.get(url + "/v1/instances", headers=headers)
+        assert refused.status_code == 401
+        assert refused.json()["code"] == "unauthorized"
+        assert "proxy" in refused.json()["detail"]
+        assert httpx.post(url + START, headers=headers).status_code == 401
+
+
+def non_loopback_address() -> str:
+    """An address of this machine that is not loopback (the source of its default route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("203.0.113.1", 9))  # sends nothing: only picks a route
+        except OSError:
+            pytest.skip("this machine has no route off loopback")
+        address: str = probe.getsockname()[0]
+    if address.startswith("127."):
+        pytest.skip("this machine has no non-loopback address")
+    return address
+
+
+def test_anonymous_access_follows_the_address_a_request_reached(scratch_database: str) -> None:
+    """On a wildcard bind with no token, only requests that reached loopback are anonymous."""
+    migrate(scratch_database)
+    address = non_loopback_address()
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory"),
+            *("--host", "0.0.0.0", "--port", str(port), "--log-level", "warning"),
+        ],
+        env={**os.environ, "DATABASE_URL": scratch_database},
+        cwd=ROOT,
+    )
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/instances").status_code == 200
+        public = httpx.get(f"http://{address}:{port}/v1/instances")
+        assert public.status_code == 401
+        assert public.json()["code"] == "unauthorized"
+    finally:
+        stop(proc)
+
+
+def test_revoking_the_last_token_keeps_anonymous_access_closed(server: tuple[str, str]) -> None:
+    url, database_url = server
+    create_token(database_url, "first", "write")
+    second = create_token(database_url, "second", "read")
+    accepted_everywhere(url, second)
+    not_last = steprecord(database_url, "token", "revoke", "first")
+    assert not_last.returncode == 0, not_last.stderr
+    assert "last token" not in not_last.stderr
+    last = steprecord(database_url, "token", "revoke", "second")
+    assert last.returncode == 0, last.stderr
+    assert "that was the last token" in last.stderr
+    assert "steprecord token allow-anonymous" in last.stderr
+    assert "steprecord token create" in last.stderr
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT count(*) FROM api_token").fetchone() == (0,)
+    # A worker that refuses the revoked token has reloaded since the revoke.
+    revoked = bearer(second)
+    eventually(
+        lambda: all(
+            httpx.get(url + "/v1/instances", headers=revoked).status_code == 401 for _ in range(6)
+        )
+    )
+    for _ in range(6):
+        refused = httpx.get(url + "/v1/instances")
+        assert refused.status_code == 401
+        assert "anonymous access stays closed" in refused.json()["detail"]
+    allowed = steprecord(database_url, "token", "allow-anonymous")
+    assert allowed.returncode == 0, allowed.stderr
+    eventually(lambda: all(httpx.get(url + "/v1/instances").status_code == 200 for _ in range(6)))
+
+
+def test_allowing_anonymous_access_is_refused_while_a_token_exists(
+    server: tuple[str, str],
+) -> None:
+    _, database_url = server
+    insert_token(database_url, "ops", "write")
+    done = steprecord(database_url, "token", "allow-anonymous")
+    assert done.returncode == 1
+    assert "revoke them first" in done.stderr
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT tokens_required FROM access_policy").fetchone() == (True,)
+
+
+def test_a_token_inserted_by_hand_also_closes_anonymous_access(server: tuple[str, str]) -> None:
+    _, database_url = server
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        assert conn.execute("SELECT tokens_required FROM access_policy").fetchone() == (False,)
+        insert_token(database_url, "manual", "read")
+        conn.execute("DELETE FROM api_token")
+        assert conn.execute("SELECT tokens_required FROM access_policy").fetchone() == (True,)
+
+
+def test_upgrading_a_database_with_tokens_keeps_anonymous_access_closed(
+    scratch_database: str,
+) -> None:
+    config = alembic_config()
+    config.attributes["database_url"] = scratch_database
+    command.upgrade(config, "0002")
+    insert_token(scratch_database, "before", "write")
+    migrate(scratch_database)
+    with psycopg.connect(scratch_database) as conn:
+        assert conn.execute("SELECT tokens_required FROM access_policy").fetchone() == (True,)

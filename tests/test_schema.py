@@ -297,6 +297,54 @@ def test_models_and_migrations_agree(database_url: str) -> None:
     assert names == expected
 
 
+CATALOG = {
+    "constraints": """
+        SELECT t.relname, c.conname, pg_get_constraintdef(c.oid)
+        FROM pg_constraint c
+        JOIN pg_class t ON t.oid = c.conrelid
+        JOIN pg_namespace n ON n.oid = t.relnamespace
+        WHERE n.nspname = 'public' AND t.relname <> 'alembic_version'
+    """,
+    "indexes": """
+        SELECT tablename, indexname, indexdef FROM pg_indexes
+        WHERE schemaname = 'public' AND tablename <> 'alembic_version'
+    """,
+    "columns": """
+        SELECT t.relname, a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
+               a.attidentity, pg_get_expr(d.adbin, d.adrelid)
+        FROM pg_attribute a
+        JOIN pg_class t ON t.oid = a.attrelid
+        JOIN pg_namespace n ON n.oid = t.relnamespace
+        LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+        WHERE n.nspname = 'public' AND t.relkind = 'r' AND t.relname <> 'alembic_version'
+          AND a.attnum > 0 AND NOT a.attisdropped
+    """,
+}
+
+
+def _catalog(url: str, query: str) -> set[tuple[Any, ...]]:
+    with psycopg.connect(url) as conn:
+        return {tuple(row) for row in conn.execute(query).fetchall()}
+
+
+@pytest.mark.parametrize("kind", CATALOG)
+def test_models_and_migrations_create_identical_definitions(
+    database_url: str, scratch_database: str, kind: str
+) -> None:
+    """Every table's constraints (CHECK bodies included), indexes and columns, as PostgreSQL
+    renders them, are the same whether made by `metadata.create_all` or by the migrations."""
+    engine = sync_engine(scratch_database)
+    try:
+        metadata.create_all(engine)
+    finally:
+        engine.dispose()
+    from_models = _catalog(scratch_database, CATALOG[kind])
+    from_migrations = _catalog(database_url, CATALOG[kind])
+    assert {row[0] for row in from_models} == set(metadata.tables)
+    assert from_models - from_migrations == set(), "in the models only"
+    assert from_migrations - from_models == set(), "in the migrations only"
+
+
 def _tables(url: str) -> set[str]:
     with psycopg.connect(url) as conn:
         rows = conn.execute(

@@ -1,5 +1,6 @@
 """The command and the service's life: embedded default, restarts, outages, readiness."""
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -10,10 +11,13 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
+from alembic.util import CommandError
 
+import app.main
 from app.cli import migrate
 from app.embedded import EmbeddedPostgres
-from app.main import schema_head
+from app.main import create_app, schema_head
+from app.steps import MIGRATION_LOCK
 from tests.conftest import ROOT, free_port, start_server, stop, wait_ready
 
 
@@ -59,26 +63,39 @@ def test_serve_without_database_url_runs_embedded_and_keeps_records(tmp_path: Pa
         stop(proc)
 
 
-def test_banner_hides_the_database_password(database_url: str) -> None:
+@pytest.mark.parametrize(
+    "form",
+    [
+        "postgresql://postgres:s3cr%65t@/{dbname}?host={host}&port={port}",
+        "postgresql://postgres@/{dbname}?host={host}&port={port}&password=s3cr%65t",
+        "host={host} port={port} user=postgres password=s3cret dbname={dbname}",
+    ],
+    ids=["url userinfo", "url query", "key=value"],
+)
+def test_serve_banner_never_shows_the_database_password(database_url: str, form: str) -> None:
     info = psycopg.conninfo.conninfo_to_dict(database_url)
     host = str(info.get("host", "127.0.0.1"))
-    port = info.get("port", 5432)
-    secret_url = f"postgresql://postgres:s3cret@/{info['dbname']}?host={host}&port={port}"
+    secret_url = form.format(dbname=info["dbname"], host=host, port=info.get("port", 5432))
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--port", str(free_port())],
         env={**os.environ, "DATABASE_URL": secret_url},
         cwd=ROOT,
         stderr=subprocess.PIPE,
     )
+    lines = []
     try:
         assert proc.stderr is not None
-        line = proc.stderr.readline().decode()
-        while "listening" not in line and line:
-            line = proc.stderr.readline().decode()
+        for raw in proc.stderr:
+            lines.append(raw.decode())
+            if "listening" in lines[-1]:
+                break
     finally:
         stop(proc)
-    assert "postgres:***@" in line
-    assert "s3cret" not in line
+    banner = "".join(lines)
+    assert "listening" in banner
+    assert "password=***" in banner
+    assert "s3cret" not in banner
+    assert "s3cr%65t" not in banner
 
 
 def test_migrate_command_brings_a_database_to_head(scratch_database: str) -> None:
@@ -94,6 +111,117 @@ def test_migrate_command_brings_a_database_to_head(scratch_database: str) -> Non
     with psycopg.connect(scratch_database) as conn:
         revision = conn.execute("SELECT version_num FROM alembic_version").fetchone()
     assert revision == (schema_head(),)
+
+
+WAITING_FOR_A_LOCK = """
+SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database
+WHERE l.locktype = 'advisory' AND NOT l.granted AND d.datname = current_database()
+"""
+
+
+def test_migrating_waits_for_the_migration_lock(scratch_database: str) -> None:
+    with psycopg.connect(scratch_database) as holder:
+        holder.execute(MIGRATION_LOCK)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "migrate"],
+            env={**os.environ, "DATABASE_URL": scratch_database},
+            cwd=ROOT,
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while holder.execute(WAITING_FOR_A_LOCK).fetchone() != (1,):
+                assert proc.poll() is None, "migrate finished while the lock was held"
+                assert time.monotonic() < deadline, "migrate never waited for the lock"
+                time.sleep(0.05)
+            tables = holder.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'")
+            assert tables.fetchone() == (0,)
+            holder.commit()  # releases the lock
+            assert proc.wait(60) == 0
+        finally:
+            stop(proc)
+    with psycopg.connect(scratch_database) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchone() == (
+            schema_head(),
+        )
+
+
+def test_two_instances_starting_together_on_an_empty_database_both_become_ready(
+    scratch_database: str, tmp_path: Path
+) -> None:
+    started: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+    try:
+        for i in range(2):
+            port, log = free_port(), tmp_path / f"serve-{i}.log"
+            with log.open("wb") as err:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "app.cli", "serve", "--port", str(port)],
+                    env={**os.environ, "DATABASE_URL": scratch_database},
+                    cwd=ROOT,
+                    stderr=err,
+                )
+            started.append((f"http://127.0.0.1:{port}", proc, log))
+        for url, proc, _ in started:
+            wait_ready(url, proc, timeout=60)
+            assert httpx.post(f"{url}/v1/instances/r/steps/{url[-5:]}/start").status_code == 201
+    finally:
+        for _, proc, _ in started:
+            stop(proc)
+    for _, proc, log in started:
+        assert proc.returncode == 0, log.read_text()
+        assert "Traceback" not in log.read_text()
+    with psycopg.connect(scratch_database) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [
+            (schema_head(),)
+        ]
+
+
+def readyz_at(database_url: str, revision: str) -> httpx.Response:
+    """/readyz of an app of this code, its database stamped at `revision`."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = %s", (revision,))
+
+    async def probe() -> httpx.Response:
+        service = create_app()
+        async with service.router.lifespan_context(service):
+            transport = httpx.ASGITransport(app=service)
+            async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+                return await client.get("/readyz")
+
+    return asyncio.run(probe())
+
+
+FUTURE = "0999_future_additions"
+
+
+def test_readyz_accepts_a_database_ahead_by_a_compatible_revision(
+    scratch_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    migrate(scratch_database)
+    monkeypatch.setenv("DATABASE_URL", scratch_database)
+    monkeypatch.setattr(app.main, "COMPATIBLE_AHEAD", frozenset({FUTURE}))
+    ready = readyz_at(scratch_database, FUTURE)
+    assert ready.status_code == 200, ready.text
+    assert ready.json() == {"status": "ready", "schema": FUTURE}
+    migrate(scratch_database)  # leaves it as it is
+    with psycopg.connect(scratch_database) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchone() == (FUTURE,)
+
+
+def test_readyz_refuses_a_database_at_an_unknown_or_older_revision(
+    scratch_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    migrate(scratch_database)
+    monkeypatch.setenv("DATABASE_URL", scratch_database)
+    unknown = readyz_at(scratch_database, FUTURE)
+    assert unknown.status_code == 503
+    assert unknown.json()["code"] == "unavailable"
+    assert f"schema at {FUTURE}, a revision this code does not know" in unknown.json()["detail"]
+    with pytest.raises(CommandError):
+        migrate(scratch_database)
+    behind = readyz_at(scratch_database, "0001")
+    assert behind.status_code == 503
+    assert "behind this code's head" in behind.json()["detail"]
+    assert "steprecord migrate" in behind.json()["detail"]
 
 
 def test_readyz_is_503_until_the_schema_is_at_head(scratch_database: str) -> None:
