@@ -104,8 +104,29 @@ def read_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     }
 
 
+def _inline_defs(schema: dict[str, Any]) -> Any:
+    """The schema with its local `$defs` references replaced by what they name.
+
+    A reference such as `#/$defs/JsonValue` is relative to the document it sits in, which
+    for an OpenAPI request body is the whole OpenAPI document: ReDoc cannot render it.
+    """
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return resolve(defs[ref.removeprefix("#/$defs/")])
+            return {key: resolve(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [resolve(item) for item in node]
+        return node
+
+    return resolve(schema)
+
+
 def request_body(model: type[BaseModel], *, required: bool) -> dict[str, Any]:
-    schema = model.model_json_schema()
+    schema = _inline_defs(model.model_json_schema())
     return {
         "requestBody": {
             "required": required,
