@@ -46,8 +46,8 @@ def _name_format(value: Any) -> Any:
 
 Name = Annotated[
     StrictStr,
-    BeforeValidator(_name_format),
     Field(pattern=NAME_PATTERN, min_length=1, max_length=200),
+    BeforeValidator(_name_format),
 ]
 Attempt = Annotated[StrictInt, Field(ge=1, le=MAX_INT4)]
 Ordinal = Annotated[StrictInt, Field(ge=0, le=MAX_INT4)]
