@@ -1,10 +1,13 @@
 """HTTP handlers: parse, call the data module, shape the response."""
 
 import json
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query, Request
+from fastapi.dependencies.models import Dependant
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 
 from app import cursors, observe, schemas, steps
 from app.db import Pool
@@ -22,7 +25,39 @@ REFUSALS = {
     "ordinal_taken": (409, "no ordinal is left for a new step of this instance"),
 }
 
-router = APIRouter()
+
+def _query_names(dependant: Dependant) -> set[str]:
+    names = {field.alias for field in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+
+
+class KnownQuery(APIRoute):
+    """A route that refuses query parameters it does not declare, as bodies refuse unknown
+    fields: `?limt=2` is a typo to point out, not a filter to ignore."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        known = _query_names(self.dependant)
+        takes = f"this endpoint takes {', '.join(sorted(known)) or 'none'}"
+
+        async def checked(request: Request) -> Response:
+            if request.scope["query_string"]:
+                unknown = [
+                    name for name in dict.fromkeys(request.query_params) if name not in known
+                ]
+                if unknown:
+                    message = f"unknown query parameter; {takes}"
+                    raise validation_problem(
+                        [{"field": name, "message": message} for name in unknown]
+                    )
+            return await handler(request)
+
+        return checked
+
+
+router = APIRouter(route_class=KnownQuery)
 
 InstanceKey = Annotated[str, Path(pattern=NAME_PATTERN, max_length=200)]
 StepSlug = Annotated[str, Path(pattern=NAME_PATTERN, max_length=200)]

@@ -11,11 +11,13 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi.routing import APIRoute
 from pydantic import AliasChoices
 from steprecord_client import Recorder, StepRecordError
 
 from app.cli import main
 from app.config import Settings
+from app.main import create_app
 from tests.conftest import ROOT
 from tests.helpers import T1, post, problem, step_path
 
@@ -204,3 +206,27 @@ def test_errors_about_the_whole_body_name_the_field_body(client: httpx.Client, b
 def test_a_malformed_batch_envelope_names_the_field_body(client: httpx.Client) -> None:
     found = problem(client.post("/v1/events", json=[]), 422, "validation_error")
     assert found["errors"] == [{"field": "body", "message": 'must be {"events": [...]}'}]
+
+
+def test_a_misspelt_query_parameter_is_refused_naming_it(client: httpx.Client) -> None:
+    post(client, "start", step="a")
+    post(client, "start", step="b")
+    found = problem(
+        client.get("/v1/instances/order-1/steps", params={"limt": 1}), 422, "validation_error"
+    )
+    assert [e["field"] for e in found["errors"]] == ["limt"]
+    assert "takes cursor, fields, limit, order, status" in found["errors"][0]["message"]
+
+
+def test_every_api_route_refuses_a_query_parameter_it_does_not_declare(
+    client: httpx.Client,
+) -> None:
+    routes = [r for r in create_app().routes if isinstance(r, APIRoute) and r.include_in_schema]
+    assert len(routes) >= 10
+    for route in routes:
+        path = route.path.format(instance_key="order-1", step_slug="charge")
+        for method in sorted(route.methods or ()):
+            response = client.request(method, path, params={"bogus": "1"})
+            found = problem(response, 422, "validation_error")
+            assert [e["field"] for e in found["errors"]] == ["bogus"], (method, path)
+    assert client.get("/v1/instances").json()["items"] == []
