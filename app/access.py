@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app import steps
+from app import docs, steps
 from app.config import is_loopback
 from app.db import DatabaseUnavailable, Pool
 from app.errors import Problem, problem_response
 
 log = logging.getLogger("steprecord.access")
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json", *docs.OPEN_PATHS})
 SCOPES = ("read", "write")
 MAX_BACKOFF_SECONDS = 30.0
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})

@@ -2,9 +2,11 @@
 
 import argparse
 import asyncio
+import errno
 import json
 import os
 import signal
+import socket
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -14,6 +16,8 @@ import psycopg
 import uvicorn
 from alembic import command
 from psycopg.rows import dict_row
+from pydantic import AliasChoices
+from uvicorn.supervisors import Multiprocess
 
 from app import steps
 from app.access import SCOPES, new_token
@@ -57,7 +61,45 @@ async def _count_tokens(url: str) -> int:
         return len(await steps.active_tokens(conn))
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to `host:port`; raises OSError when the address is taken or unusable."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(True)  # the workers of --workers N inherit it
+    return sock
+
+
+def cannot_listen(host: str, port: int, exc: OSError) -> int:
+    if exc.errno == errno.EADDRINUSE:
+        reason = f"port {port} is already in use (another steprecord serve?)"
+    else:
+        reason = exc.strerror or str(exc)
+    print(
+        f"cannot listen on {host}:{port}: {reason}; choose another port with --port, "
+        f"e.g. steprecord serve --port {port + 1 if port < 65535 else 8000}",
+        file=sys.stderr,
+    )
+    return 3
+
+
 def serve(args: argparse.Namespace) -> int:
+    # Bound before anything else, so a busy port is reported at once; it listens (and the
+    # banner says so) only once the database is migrated.
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        return cannot_listen(args.host, args.port, exc)
+    with sock:
+        return _serve(args, sock)
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     settings = Settings()
     with database(settings) as url:
@@ -78,27 +120,38 @@ def serve(args: argparse.Namespace) -> int:
         if args.workers > 1:
             metrics_dir = tempfile.TemporaryDirectory(prefix="steprecord-metrics-")
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.name
+        try:
+            sock.listen()
+        except OSError as exc:
+            return cannot_listen(args.host, args.port, exc)
         print(
             f"steprecord listening on http://{args.host}:{args.port}"
             f" (workers: {args.workers}), database {redact(url)}",
             file=sys.stderr,
             flush=True,
         )
+        config = uvicorn.Config(
+            "app.main:create_app",
+            factory=True,
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=30,
+        )
+        server = uvicorn.Server(config)
         try:
-            uvicorn.run(
-                "app.main:create_app",
-                factory=True,
-                host=args.host,
-                port=args.port,
-                workers=args.workers,
-                log_level="warning",
-                access_log=False,
-                timeout_graceful_shutdown=30,
-            )
+            if args.workers > 1:
+                Multiprocess(config, sockets=[sock]).run()
+            else:
+                server.run(sockets=[sock])
+        except KeyboardInterrupt:
+            pass
         finally:
             if metrics_dir is not None:
                 metrics_dir.cleanup()
-    return 0
+    return 0 if args.workers > 1 or server.started else 3
 
 
 async def _token(args: argparse.Namespace, url: str) -> int:
@@ -171,13 +224,47 @@ def _refusal(exc: steps.ConstraintViolation, name: str) -> str:
     return f"refused by {exc.constraint}"
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after each option; the epilog's lines kept as written."""
+
+
+# Settings that `serve` takes from its own options rather than from the environment.
+SERVE_OPTIONS = {"host": "--host", "insecure_no_auth": "--insecure-no-auth"}
+
+
+def environment_help() -> str:
+    """The environment variables of the `Settings` class, with their defaults."""
+    rows = []
+    for name, field in Settings.model_fields.items():
+        alias = field.validation_alias
+        variable = alias.choices[0] if isinstance(alias, AliasChoices) else None
+        variable = str(variable or f"STEPRECORD_{name.upper()}")
+        if name in SERVE_OPTIONS:
+            note = f"set by {SERVE_OPTIONS[name]}"
+        else:
+            default = field.get_default(call_default_factory=True)
+            note = "unset" if default is None else f"default: {default}"
+        rows.append(f"  {variable:<34} {note}")
+    return (
+        "environment variables:\n"
+        + "\n".join(rows)
+        + "\n\nWithout DATABASE_URL, serve starts an embedded PostgreSQL in STEPRECORD_DATA_DIR."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="steprecord", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p_serve = sub.add_parser("serve", help="migrate to head, then serve HTTP")
-    p_serve.add_argument("--host", default="127.0.0.1")
-    p_serve.add_argument("--port", type=int, default=8000)
-    p_serve.add_argument("--workers", type=int, default=1)
+    p_serve = sub.add_parser(
+        "serve",
+        help="migrate to head, then serve HTTP",
+        description="Migrate the database to head, then serve HTTP.",
+        formatter_class=HelpFormatter,
+        epilog=environment_help(),
+    )
+    p_serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p_serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    p_serve.add_argument("--workers", type=int, default=1, help="worker processes")
     p_serve.add_argument(
         "--insecure-no-auth",
         action="store_true",

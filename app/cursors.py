@@ -10,6 +10,10 @@ import orjson
 from app.errors import validation_problem
 from app.steps import Order
 
+# What each kind of cursor pages through, as a person would ask for it.
+LISTINGS = {"o": "order=ordinal", "s": "order=started_at", "i": "the instance list"}
+NOT_A_CURSOR = "not a valid cursor: pass the next_cursor of the previous page unchanged"
+
 
 def _encode(kind: str, *position: Any) -> str:
     values = [v.isoformat() if isinstance(v, datetime) else v for v in position]
@@ -22,11 +26,14 @@ def _decode(cursor: str, kind: str, arity: int) -> list[Any]:
     except (binascii.Error, ValueError):
         value = None
     if not (isinstance(value, list) and len(value) == arity + 1 and value[0] == kind):
-        raise _garbled(f"not a cursor of this listing ({kind})")
+        found = value[0] if isinstance(value, list) and value else None
+        if isinstance(found, str) and found in LISTINGS and found != kind:
+            raise _garbled(f"a cursor of {LISTINGS[found]}, not of {LISTINGS[kind]}")
+        raise _garbled()
     return value[1:]
 
 
-def _garbled(message: str = "garbled cursor") -> Exception:
+def _garbled(message: str = NOT_A_CURSOR) -> Exception:
     return validation_problem([{"field": "cursor", "message": message}])
 
 

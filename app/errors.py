@@ -8,17 +8,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from app.db import DatabaseUnavailable
+from app.models import MAX_OUTPUT_BYTES
 from app.serialize import dumps
 from app.steps import (
     ConstraintViolation,
     Contention,
     InstanceNotFound,
     InvalidData,
+    OutputTooLarge,
     StepNotFound,
 )
 
 PROBLEM_TYPE = "urn:steprecord:problem:"
 RETRY_AFTER_SECONDS = "1"
+# What an instance key, step slug or error code may be, in words (the pattern in app.models).
+NAME_RULE = (
+    "must be 1 to 200 characters: letters, digits, '.', '_', ':' or '-',"
+    " starting with a letter or digit"
+)
 
 TITLES = {
     "invalid_json": "Body is not JSON",
@@ -74,8 +81,8 @@ class Problem(Exception):
 
 
 def validation_problem(errors: list[dict[str, str]], detail: str | None = None) -> Problem:
-    first = errors[0] if errors else {"field": "", "message": "invalid"}
-    text = detail or f"{first['field'] or 'body'}: {first['message']}"
+    first = errors[0] if errors else {"field": "body", "message": "invalid"}
+    text = detail or f"{first['field']}: {first['message']}"
     return Problem(422, "validation_error", text, errors=errors)
 
 
@@ -101,8 +108,18 @@ def to_problem(exc: Exception) -> Problem:
         return exc
     if isinstance(exc, ConstraintViolation):
         return from_violation(exc)
+    if isinstance(exc, OutputTooLarge):
+        return Problem(
+            413,
+            "output_too_large",
+            f"the output is {exc.size} bytes as stored (PostgreSQL's jsonb text, which puts a"
+            f" space after each ':' and ','), over the limit of {MAX_OUTPUT_BYTES} bytes (1 MiB):"
+            " store it elsewhere and send its URL as external_output_url",
+            size=exc.size,
+            limit=MAX_OUTPUT_BYTES,
+        )
     if isinstance(exc, InvalidData):
-        return validation_problem([{"field": "", "message": str(exc)}])
+        return validation_problem([{"field": "body", "message": str(exc)}])
     if isinstance(exc, InstanceNotFound):
         return Problem(404, "instance_not_found", f"no instance {exc.args[0]!r}")
     if isinstance(exc, StepNotFound):
@@ -146,10 +163,18 @@ async def _handle_http(request: Request, exc: Exception) -> Response:
 async def _handle_validation(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     errors = [
-        {"field": ".".join(str(p) for p in err["loc"][1:]), "message": err["msg"]}
+        {"field": ".".join(str(p) for p in err["loc"][1:]) or "body", "message": _message(err)}
         for err in exc.errors()
     ]
     return validation_problem(errors).response()
+
+
+def _message(err: Any) -> str:
+    # Every path parameter is a name (instance key or step slug).
+    if err["loc"][0] == "path" and err["type"] in ("string_pattern_mismatch", "string_too_long"):
+        return NAME_RULE
+    message: str = err["msg"]
+    return message
 
 
 KNOWN = (
@@ -160,6 +185,7 @@ KNOWN = (
     StepNotFound,
     DatabaseUnavailable,
     Contention,
+    OutputTooLarge,
 )
 
 

@@ -17,7 +17,7 @@ from pydantic import (
     field_validator,
 )
 
-from app.errors import Problem, validation_problem
+from app.errors import NAME_RULE, Problem, validation_problem
 from app.models import MAX_INT4, MAX_MESSAGE_BYTES, MAX_URL_CHARS, NAME_PATTERN, URL_PATTERN
 from app.serialize import dumps_value
 from app.steps import Event, Kind
@@ -25,18 +25,34 @@ from app.steps import Event, Kind
 KINDS: tuple[Kind, ...] = ("declare", "start", "complete", "fail", "heartbeat")
 MAX_LEASE_SECONDS = 86400
 _NAME = re.compile(NAME_PATTERN.removeprefix("^").removesuffix("$"))
+_RFC3339 = re.compile(r"\d{4}-\d\d-\d\d[Tt ]\d\d:\d\d:\d\d(\.\d+)?([Zz]|[+-]\d\d:\d\d)")
+TIMESTAMP_RULE = "must be an RFC 3339 timestamp with an offset, such as 2026-12-02T10:00:00Z"
 
 
-def _rfc3339_text(value: Any) -> Any:
-    if not isinstance(value, str):
-        raise ValueError("must be an RFC 3339 timestamp string with an offset")
+def _rfc3339(value: Any) -> Any:
+    # One message for an epoch number, a word, a date alone or a missing offset.
+    if not isinstance(value, str) or not _RFC3339.fullmatch(value):
+        raise ValueError(TIMESTAMP_RULE)
+    try:
+        return datetime.fromisoformat(value.upper())
+    except ValueError:
+        raise ValueError(TIMESTAMP_RULE) from None
+
+
+def _name_format(value: Any) -> Any:
+    if isinstance(value, str) and not _NAME.fullmatch(value):
+        raise ValueError(NAME_RULE)
     return value
 
 
-Name = Annotated[StrictStr, Field(pattern=NAME_PATTERN, min_length=1, max_length=200)]
+Name = Annotated[
+    StrictStr,
+    Field(pattern=NAME_PATTERN, min_length=1, max_length=200),
+    BeforeValidator(_name_format),
+]
 Attempt = Annotated[StrictInt, Field(ge=1, le=MAX_INT4)]
 Ordinal = Annotated[StrictInt, Field(ge=0, le=MAX_INT4)]
-Timestamp = Annotated[AwareDatetime, BeforeValidator(_rfc3339_text)]
+Timestamp = Annotated[AwareDatetime, BeforeValidator(_rfc3339)]
 Url = Annotated[StrictStr, Field(pattern=URL_PATTERN, max_length=MAX_URL_CHARS)]
 LeaseSeconds = Annotated[StrictInt, Field(ge=1, le=MAX_LEASE_SECONDS)]
 
@@ -96,15 +112,22 @@ BODIES: dict[Kind, type[_Body]] = {
 
 def _errors(exc: ValidationError) -> list[dict[str, str]]:
     return [
-        {"field": ".".join(str(p) for p in err["loc"]), "message": err["msg"]}
+        {"field": ".".join(str(p) for p in err["loc"]) or "body", "message": _message(err)}
         for err in exc.errors(include_url=False)
     ]
+
+
+def _message(err: Any) -> str:
+    if err["type"] == "value_error":  # our own validators' words, without pydantic's prefix
+        return str(err["ctx"]["error"])
+    message: str = err["msg"]
+    return message
 
 
 def check_names(**names: str) -> None:
     """Refuse an instance key or step slug that the format does not allow."""
     bad = [
-        {"field": field, "message": f"must match {NAME_PATTERN}"}
+        {"field": field, "message": NAME_RULE}
         for field, value in names.items()
         if not _NAME.fullmatch(value)
     ]
@@ -118,7 +141,7 @@ def parse_event(instance_key: str, step_slug: str, kind: Kind, body: Any) -> Eve
     if body is None:
         body = {}
     if not isinstance(body, dict):
-        raise validation_problem([{"field": "", "message": "the body must be a JSON object"}])
+        raise validation_problem([{"field": "body", "message": "must be a JSON object"}])
     try:
         parsed = BODIES[kind].model_validate(body)
     except ValidationError as exc:
@@ -146,7 +169,7 @@ MAX_BATCH_EVENTS = 1000
 def parse_envelope(payload: Any) -> list[Any]:
     """The list of raw events of a batch; a malformed envelope refuses the whole request."""
     if not isinstance(payload, dict) or set(payload) != {"events"}:
-        raise validation_problem([{"field": "", "message": 'the body must be {"events": [...]}'}])
+        raise validation_problem([{"field": "body", "message": 'must be {"events": [...]}'}])
     items = payload["events"]
     if not isinstance(items, list) or not 1 <= len(items) <= MAX_BATCH_EVENTS:
         raise validation_problem(
@@ -158,7 +181,7 @@ def parse_envelope(payload: Any) -> list[Any]:
 def parse_batch_event(item: Any) -> Event:
     """One event of a batch: its endpoint's body plus `instance_key`, `step_slug`, `kind`."""
     if not isinstance(item, dict):
-        raise validation_problem([{"field": "", "message": "an event must be a JSON object"}])
+        raise validation_problem([{"field": "event", "message": "must be a JSON object"}])
     body = dict(item)
     kind = body.pop("kind", None)
     instance_key = body.pop("instance_key", None)

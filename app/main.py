@@ -11,7 +11,7 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 from fastapi import FastAPI
 
-from app import errors, observe, routes, schemas, sweeper
+from app import docs, errors, observe, routes, schemas, sweeper
 from app.access import AccessControl, Tokens
 from app.config import Settings
 from app.db import DatabaseUnavailable, Pool
@@ -87,7 +87,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="One durable, database-guarded record per step of a process instance.",
         lifespan=lifespan,
         routes=routes.router.routes,
+        docs_url=None,
+        redoc_url=None,
     )
+    docs.install(app)
     errors.install(app)
     app.add_middleware(AccessControl)
     app.add_middleware(Observe)

@@ -1,9 +1,13 @@
 """HTTP handlers: parse, call the data module, shape the response."""
 
+import json
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query, Request
+from fastapi.dependencies.models import Dependant
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from pydantic import AwareDatetime
 
 from app import cursors, observe, schemas, steps
@@ -40,7 +44,39 @@ SUMMARIES = {
     "heartbeat": "Extend the lease of a running attempt",
 }
 
-router = APIRouter()
+
+def _query_names(dependant: Dependant) -> set[str]:
+    names = {field.alias for field in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+
+
+class KnownQuery(APIRoute):
+    """A route that refuses query parameters it does not declare, as bodies refuse unknown
+    fields: `?limt=2` is a typo to point out, not a filter to ignore."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        known = _query_names(self.dependant)
+        takes = f"this endpoint takes {', '.join(sorted(known)) or 'none'}"
+
+        async def checked(request: Request) -> Response:
+            if request.scope["query_string"]:
+                unknown = [
+                    name for name in dict.fromkeys(request.query_params) if name not in known
+                ]
+                if unknown:
+                    message = f"unknown query parameter; {takes}"
+                    raise validation_problem(
+                        [{"field": name, "message": message} for name in unknown]
+                    )
+            return await handler(request)
+
+        return checked
+
+
+router = APIRouter(route_class=KnownQuery)
 
 InstanceKey = Annotated[str, Path(pattern=NAME_PATTERN, max_length=200)]
 StepSlug = Annotated[str, Path(pattern=NAME_PATTERN, max_length=200)]
@@ -75,17 +111,54 @@ async def read_json(request: Request, limit: int, depth: int = MAX_DEPTH) -> Any
     except BadJSON as exc:
         raise Problem(400, "invalid_json", f"the body is not JSON: {exc}") from None
     except UnacceptableJSON as exc:
-        raise validation_problem([{"field": "", "message": str(exc)}]) from None
+        raise validation_problem([{"field": "body", "message": str(exc)}]) from None
 
 
-def judged(result: steps.Result) -> tuple[int, dict[str, Any]]:
+def judged(result: steps.Result, event: steps.Event) -> tuple[int, dict[str, Any]]:
     """201 and the record it created, 200 and the record otherwise; a 409 refusal is raised."""
     if result.outcome in REFUSALS:
         status, detail = REFUSALS[result.outcome]
         current = None if result.record is None else record_json(result.record)
+        if result.record is not None:
+            detail = _explain(result.outcome, event, result.record) or detail
         raise Problem(status, result.outcome, detail, current=current)
     assert result.record is not None
     return (201 if result.outcome == "created" else 200), record_json(result.record)
+
+
+CONTENT = ("output", "external_output_url", "error_code", "error_message")
+
+
+def _explain(outcome: str, event: steps.Event, record: dict[str, Any]) -> str | None:
+    """What a refused event got wrong, from the event and the record that refused it."""
+    if outcome == "ordinal_taken":
+        if event.ordinal is not None:
+            return (
+                f"ordinal {event.ordinal} is held by step {record['step_slug']!r} of this"
+                " instance (see current): send another ordinal, or none to get the next one"
+            )
+        return (
+            f"no ordinal is left for a new step: step {record['step_slug']!r} holds"
+            f" {record['ordinal']}, the highest there is (see current)"
+        )
+    if outcome != "conflict":
+        return None
+    attempt = record["attempt_count"]
+    if event.kind in ("declare", "start"):
+        return f"no attempt is left after {attempt}"
+    sent = {name: getattr(event, name) for name in CONTENT}
+    recorded = {name: record[name] for name in CONTENT}
+    for fields in (sent, recorded):  # outputs are JSON text; compare the values
+        fields["output"] = None if fields["output"] is None else json.loads(fields["output"])
+    differs = [name for name in CONTENT if sent[name] != recorded[name]]
+    if record["status"] != {"complete": "completed", "fail": "failed"}[event.kind]:
+        differs.insert(0, "status")
+    what = f"differs in {', '.join(differs)}" if differs else "differs from it"
+    return (
+        f"attempt {attempt} is already recorded as {record['status']} and this {event.kind}"
+        f" {what}: re-send what was recorded to replay it, or report attempt {attempt + 1}"
+        " to run the step again"
+    )
 
 
 def _event_route(kind: steps.Kind) -> None:
@@ -103,7 +176,7 @@ def _event_route(kind: steps.Kind) -> None:
                 observe.count_event(kind, "refused")
                 raise
         observe.count_event(kind, result.outcome)
-        status, record = judged(result)
+        status, record = judged(result, event)
         return _json(record, status)
 
     router.add_api_route(
@@ -124,12 +197,15 @@ for _kind in KINDS:
     _event_route(_kind)
 
 
-def _batch_result(kind: str, outcome: steps.Result | Exception) -> dict[str, Any]:
+def _batch_result(
+    kind: str, outcome: steps.Result | Exception, event: steps.Event | None = None
+) -> dict[str, Any]:
     observe.count_event(kind, outcome.outcome if isinstance(outcome, steps.Result) else "refused")
     try:
         if isinstance(outcome, Exception):
             raise outcome
-        status, record = judged(outcome)
+        assert event is not None
+        status, record = judged(outcome, event)
     except Exception as exc:
         problem = to_problem(exc)
         return {"status": problem.status, "problem": problem.body()}
@@ -157,7 +233,7 @@ async def post_events(request: Request) -> Response:
     results = []
     for item, event in zip(items, parsed, strict=True):
         if isinstance(event, steps.Event):
-            results.append(_batch_result(event.kind, next(applied)))
+            results.append(_batch_result(event.kind, next(applied), event))
         else:
             results.append(_batch_result(_kind_of(item), event))
     return _json({"results": results})

@@ -67,6 +67,14 @@ class Contention(Exception):
     """An event kept racing with concurrent creators; it wrote nothing."""
 
 
+class OutputTooLarge(Exception):
+    """The database refused an inline output over its cap; `size` is what it measured."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"the output is {size} bytes")
+        self.size = size
+
+
 RECORD = (
     "{r}.id, {r}.step_slug, {r}.ordinal, {r}.status, {r}.attempt_count,"
     " {r}.output::text AS output, {r}.external_output_url, {r}.started_at, {r}.completed_at,"
@@ -336,7 +344,10 @@ async def apply_events(conn: AsyncConn, events: Sequence[Event]) -> Outcomes:
         seen.add(key)
     if segment:
         await _apply_segment(conn, events, segment, outcomes)
-    return [o if o is not None else Contention("not applied") for o in outcomes]
+    return [
+        await _explained(conn, events[i], o) if o is not None else Contention("not applied")
+        for i, o in enumerate(outcomes)
+    ]
 
 
 async def _apply_segment(
@@ -421,6 +432,43 @@ def _violation(exc: psycopg.errors.IntegrityError) -> ConstraintViolation:
     name = exc.diag.constraint_name or "unknown"
     unique = isinstance(exc, psycopg.errors.UniqueViolation)
     return ConstraintViolation(name, unique, exc.diag.message_primary or str(exc))
+
+
+ORDINAL_KEY = "uq_workflow_step_record_instance_id_ordinal"
+OUTPUT_SIZE = "ck_workflow_step_record_output_size"
+
+# The record holding the event's ordinal or, for a server-assigned one, the highest ordinal.
+ORDINAL_HOLDER = f"""
+SELECT {RECORD.format(r="r")}
+FROM process_instance p JOIN workflow_step_record r ON r.instance_id = p.id
+WHERE p.instance_key = %(instance_key)s
+  AND (%(ordinal)s::int IS NULL OR r.ordinal = %(ordinal)s::int)
+ORDER BY r.ordinal DESC
+LIMIT 1
+"""
+
+
+async def _explained(
+    conn: AsyncConn, event: Event, outcome: Result | Exception
+) -> Result | Exception:
+    """A refusal with what the client needs to act on it, read after the fact (rare path).
+
+    A taken ordinal comes with the record that holds it; an oversized output with its size
+    as the database measures it (jsonb's text, which differs from the JSON sent).
+    """
+    if (isinstance(outcome, Result) and outcome.outcome == "ordinal_taken") or (
+        isinstance(outcome, ConstraintViolation) and outcome.constraint == ORDINAL_KEY
+    ):
+        params = {"instance_key": event.instance_key, "ordinal": event.ordinal}
+        cur = await conn.execute(ORDINAL_HOLDER, params)
+        row = await cur.fetchone()
+        return Result("ordinal_taken", None if row is None else _record(row, event.instance_key))
+    if isinstance(outcome, ConstraintViolation) and outcome.constraint == OUTPUT_SIZE:
+        cur = await conn.execute("SELECT octet_length(%s::jsonb::text) AS size", (event.output,))
+        row = await cur.fetchone()
+        assert row is not None
+        return OutputTooLarge(row["size"])
+    return outcome
 
 
 def _record(row: dict[str, Any], instance_key: str) -> dict[str, Any]:

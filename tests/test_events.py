@@ -285,7 +285,7 @@ def test_client_ordinal_used_by_another_step_is_refused(
 ) -> None:
     post(client, "start", {"ordinal": 3}, step="a")
     body = problem(post(client, "start", {"ordinal": 3}, step="b"), 409, "ordinal_taken")
-    assert "uq_workflow_step_record_instance_id_ordinal" in body["detail"]
+    assert "ordinal 3 is held by step 'a'" in body["detail"]
     assert count_rows(database_url) == 1
     problem(client.get("/v1/instances/order-1/steps/b/attempts"), 404, "step_not_found")
 

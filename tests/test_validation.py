@@ -119,7 +119,7 @@ def test_start_after_completion_in_the_body_is_invalid_timing(client: httpx.Clie
 def test_output_over_one_mebibyte_is_too_large(client: httpx.Client) -> None:
     body = {"started_at": T1, "output": "x" * (1024 * 1024)}
     found = problem(post(client, "complete", body), 413, "output_too_large")
-    assert "ck_workflow_step_record_output_size" in found["detail"]
+    assert "over the limit of 1048576 bytes" in found["detail"]
 
 
 def test_output_of_exactly_one_mebibyte_is_accepted(client: httpx.Client) -> None:

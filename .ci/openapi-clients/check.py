@@ -8,7 +8,7 @@
 
 Run from anywhere, after `npm ci` in this directory:
 
-    .venv/bin/python .ci/openapi-clients/check.py [openapi/openapi.json]
+    .venv-test/bin/python .ci/openapi-clients/check.py [openapi/openapi.json]
 """
 
 import json
