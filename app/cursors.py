@@ -11,7 +11,13 @@ from app.errors import validation_problem
 from app.steps import Order
 
 # What each kind of cursor pages through, as a person would ask for it.
-LISTINGS = {"o": "order=ordinal", "s": "order=started_at", "i": "the instance list"}
+LISTINGS = {
+    "o": "order=ordinal",
+    "s": "order=started_at",
+    "i": "the instance list",
+    "u": "the steps across instances",
+    "a": "a step's attempts",
+}
 NOT_A_CURSOR = "not a valid cursor: pass the next_cursor of the previous page unchanged"
 
 
