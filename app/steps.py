@@ -83,7 +83,7 @@ RECORD = (
 NO_RECORD = ", ".join(["NULL"] * 14)
 
 # Positions: a record sits at (attempt_count, rank), rank pending 0, running 1, finished 2;
-# an event at (attempt, k), k declare 0, start 1, complete/fail 2. See the contract, §3.
+# an event at (attempt, k), k declare 0, start 1, complete/fail 2 (README, "Events").
 #
 # A start's lease runs from the database clock; only a start carries `lease_seconds`, so every
 # other event clears the lease.

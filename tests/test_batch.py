@@ -1,4 +1,4 @@
-"""`POST /v1/events` (contract §7): each event judged as its own endpoint would judge it."""
+"""`POST /v1/events` (README, "Batch"): each event judged as its own endpoint would judge it."""
 
 import uuid
 from typing import Any

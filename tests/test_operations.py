@@ -1,4 +1,4 @@
-"""Operations (contract §6, §8): metrics, request logs and ids, graceful shutdown, PgBouncer."""
+"""Operations (README, "Operations"): metrics, request logs and ids, graceful shutdown, PgBouncer."""
 
 import json
 import os

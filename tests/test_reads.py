@@ -1,4 +1,4 @@
-"""The reads of contract §4: lists in both orders, cursors, filters, summaries, instances."""
+"""The reads (README, "Reads"): lists in both orders, cursors, filters, summaries, instances."""
 
 import base64
 from typing import Any
