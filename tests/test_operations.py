@@ -1,4 +1,4 @@
-"""Operations (README, "Operations"): metrics, request logs and ids, graceful shutdown, PgBouncer."""
+"""Operations (README, "Operations"): metrics, request logs, graceful shutdown, PgBouncer."""
 
 import json
 import os
