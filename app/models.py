@@ -47,6 +47,27 @@ MAX_URL_CHARS = 2048
 MAX_INT4 = 2147483647
 
 
+def _outcome_checks() -> list[CheckConstraint]:
+    """The rules on what an attempt produced, shared by the record and its history (fresh
+    objects each time: a constraint belongs to one table)."""
+    return [
+        CheckConstraint(
+            "output IS NULL OR external_output_url IS NULL", name="output_inline_xor_external"
+        ),
+        CheckConstraint(f"octet_length(output::text) <= {MAX_OUTPUT_BYTES}", name="output_size"),
+        CheckConstraint(
+            f"external_output_url ~ '{URL_PATTERN}'"
+            f" AND char_length(external_output_url) <= {MAX_URL_CHARS}",
+            name="external_output_url_format",
+        ),
+        CheckConstraint(f"error_code ~ '{NAME_PATTERN}'", name="error_code_format"),
+        CheckConstraint(
+            f"octet_length(error_message) <= {MAX_MESSAGE_BYTES}", name="error_message_size"
+        ),
+        CheckConstraint("started_at <= completed_at", name="timing"),
+    ]
+
+
 def _now() -> Column[datetime]:
     return Column(DateTime(timezone=True), nullable=False, server_default=text("now()"))
 
@@ -91,20 +112,7 @@ class WorkflowStepRecord(SQLModel, table=True):
             "status IN (" + ", ".join(f"'{s}'" for s in STATUSES) + ")", name="status_known"
         ),
         CheckConstraint("attempt_count >= 1", name="attempt_count_positive"),
-        CheckConstraint(
-            "output IS NULL OR external_output_url IS NULL", name="output_inline_xor_external"
-        ),
-        CheckConstraint(f"octet_length(output::text) <= {MAX_OUTPUT_BYTES}", name="output_size"),
-        CheckConstraint(
-            f"external_output_url ~ '{URL_PATTERN}'"
-            f" AND char_length(external_output_url) <= {MAX_URL_CHARS}",
-            name="external_output_url_format",
-        ),
-        CheckConstraint(f"error_code ~ '{NAME_PATTERN}'", name="error_code_format"),
-        CheckConstraint(
-            f"octet_length(error_message) <= {MAX_MESSAGE_BYTES}", name="error_message_size"
-        ),
-        CheckConstraint("started_at <= completed_at", name="timing"),
+        *_outcome_checks(),
         CheckConstraint(
             "status <> 'pending' OR (started_at IS NULL AND completed_at IS NULL"
             " AND output IS NULL AND external_output_url IS NULL"
@@ -184,20 +192,7 @@ class WorkflowStepAttempt(SQLModel, table=True):
             name="status_known",
         ),
         CheckConstraint("attempt >= 1", name="attempt_positive"),
-        CheckConstraint(
-            "output IS NULL OR external_output_url IS NULL", name="output_inline_xor_external"
-        ),
-        CheckConstraint(f"octet_length(output::text) <= {MAX_OUTPUT_BYTES}", name="output_size"),
-        CheckConstraint(
-            f"external_output_url ~ '{URL_PATTERN}'"
-            f" AND char_length(external_output_url) <= {MAX_URL_CHARS}",
-            name="external_output_url_format",
-        ),
-        CheckConstraint(f"error_code ~ '{NAME_PATTERN}'", name="error_code_format"),
-        CheckConstraint(
-            f"octet_length(error_message) <= {MAX_MESSAGE_BYTES}", name="error_message_size"
-        ),
-        CheckConstraint("started_at <= completed_at", name="timing"),
+        *_outcome_checks(),
         *_content_checks(
             {
                 "running": "started_at IS NOT NULL AND completed_at IS NULL"

@@ -79,11 +79,27 @@ class KnownQuery(APIRoute):
 router = APIRouter(route_class=KnownQuery)
 
 InstanceKey = Annotated[str, Path(pattern=NAME_PATTERN, max_length=200)]
+Limit = Annotated[int, Query(ge=1, le=1000)]
+Fields = Literal["full", "summary"]
+StatusFilter = Annotated[
+    str | None, Query(description="Comma-separated statuses, e.g. running,failed")
+]
 StepSlug = Annotated[str, Path(pattern=NAME_PATTERN, max_length=200)]
 
 
 def _json(body: Any, status: int = 200) -> Response:
     return Response(dumps(body), status_code=status, media_type="application/json")
+
+
+Item = dict[str, Any]
+
+
+def _page(
+    page: steps.Page, render: Callable[[Item], Item], cursor: Callable[[Item], str]
+) -> Response:
+    """A list answer: the page's items rendered, and the cursor of the next page, if any."""
+    next_cursor = None if page.last is None else cursor(page.last)
+    return _json({"items": [render(item) for item in page.items], "next_cursor": next_cursor})
 
 
 def _pool(request: Request) -> Pool:
@@ -269,12 +285,10 @@ async def list_steps(
     request: Request,
     instance_key: InstanceKey,
     order: Literal["ordinal", "started_at"] = "ordinal",
-    status: Annotated[
-        str | None, Query(description="Comma-separated statuses, e.g. running,failed")
-    ] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    status: StatusFilter = None,
+    limit: Limit = 100,
     cursor: str | None = None,
-    fields: Literal["full", "summary"] = "full",
+    fields: Fields = "full",
 ) -> Response:
     statuses = _statuses(status)
     after = None if cursor is None else cursors.steps_position(order, cursor)
@@ -282,12 +296,10 @@ async def list_steps(
         page = await steps.list_steps(
             conn, instance_key, order=order, after=after, statuses=statuses, limit=limit
         )
-    summary = fields == "summary"
-    return _json(
-        {
-            "items": [record_json(r, summary) for r in page.items],
-            "next_cursor": None if page.last is None else cursors.steps_cursor(order, page.last),
-        }
+    return _page(
+        page,
+        lambda r: record_json(r, fields == "summary"),
+        lambda last: cursors.steps_cursor(order, last),
     )
 
 
@@ -301,7 +313,7 @@ async def get_step(
     request: Request,
     instance_key: InstanceKey,
     step_slug: StepSlug,
-    fields: Literal["full", "summary"] = "full",
+    fields: Fields = "full",
 ) -> Response:
     async with _pool(request).connection() as conn:
         record = await steps.get_step(conn, instance_key, step_slug)
@@ -318,19 +330,14 @@ async def list_attempts(
     request: Request,
     instance_key: InstanceKey,
     step_slug: StepSlug,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    limit: Limit = 100,
     cursor: str | None = None,
-    fields: Literal["full", "summary"] = "full",
+    fields: Fields = "full",
 ) -> Response:
     after = None if cursor is None else cursors.attempts_position(cursor)
     async with _pool(request).connection() as conn:
         page = await steps.list_attempts(conn, instance_key, step_slug, after=after, limit=limit)
-    return _json(
-        {
-            "items": [attempt_json(a, fields == "summary") for a in page.items],
-            "next_cursor": None if page.last is None else cursors.attempts_cursor(page.last),
-        }
-    )
+    return _page(page, lambda a: attempt_json(a, fields == "summary"), cursors.attempts_cursor)
 
 
 @router.get(
@@ -341,9 +348,7 @@ async def list_attempts(
 )
 async def list_recent_steps(
     request: Request,
-    status: Annotated[
-        str | None, Query(description="Comma-separated statuses, e.g. running,failed")
-    ] = None,
+    status: StatusFilter = None,
     updated_after: Annotated[
         AwareDatetime | None, Query(description="Only records updated after this time")
     ] = None,
@@ -351,9 +356,9 @@ async def list_recent_steps(
         Literal["true"] | None,
         Query(description="`true`: only running steps whose lease has expired"),
     ] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    limit: Limit = 100,
     cursor: str | None = None,
-    fields: Literal["full", "summary"] = "full",
+    fields: Fields = "full",
 ) -> Response:
     statuses = _statuses(status) or list(STATUSES)
     before = None if cursor is None else cursors.recent_position(cursor)
@@ -366,12 +371,7 @@ async def list_recent_steps(
             before=before,
             limit=limit,
         )
-    return _json(
-        {
-            "items": [record_json(r, fields == "summary") for r in page.items],
-            "next_cursor": None if page.last is None else cursors.recent_cursor(page.last),
-        }
-    )
+    return _page(page, lambda r: record_json(r, fields == "summary"), cursors.recent_cursor)
 
 
 @router.get(
@@ -393,7 +393,7 @@ async def get_instance(request: Request, instance_key: InstanceKey) -> Response:
 )
 async def list_instances(
     request: Request,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    limit: Limit = 100,
     cursor: str | None = None,
 ) -> Response:
     before = None if cursor is None else cursors.instances_position(cursor)

@@ -66,6 +66,29 @@ def database_url(server_dsn: str) -> Iterator[str]:
         drop_database(server_dsn, name)
 
 
+@contextmanager
+def migrated_database(server_dsn: str, prefix: str) -> Iterator[str]:
+    """A database of a test module's own, migrated to head, dropped afterwards."""
+    name = prefix + uuid.uuid4().hex[:8]
+    url = create_database(server_dsn, name)
+    try:
+        migrate(url)
+        yield url
+    finally:
+        drop_database(server_dsn, name)
+
+
+@pytest.fixture
+def own_postgres(tmp_path: Path) -> Iterator[EmbeddedPostgres]:
+    """An embedded PostgreSQL of the test's own, which the test may stop and start."""
+    embedded = EmbeddedPostgres(tmp_path / "pg")
+    embedded.start()
+    try:
+        yield embedded
+    finally:
+        embedded.stop()
+
+
 @pytest.fixture
 def scratch_database(server_dsn: str) -> Iterator[str]:
     """An empty database of the test's own (for migration tests)."""

@@ -22,12 +22,10 @@ import psycopg
 import pytest
 
 from app.access import new_token
-from app.cli import migrate
 from tests.conftest import (
     ROOT,
-    create_database,
-    drop_database,
     free_port,
+    migrated_database,
     pgbouncer,
     start_server,
     stop,
@@ -48,13 +46,8 @@ Watcher = psycopg.Connection[tuple[Any, ...]]
 
 @pytest.fixture(scope="module")
 def own_database(server_dsn: str) -> Iterator[str]:
-    name = "steprecord_faults_" + uuid.uuid4().hex[:8]
-    url = create_database(server_dsn, name)
-    try:
-        migrate(url)
+    with migrated_database(server_dsn, "steprecord_faults_") as url:
         yield url
-    finally:
-        drop_database(server_dsn, name)
 
 
 @pytest.fixture

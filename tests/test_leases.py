@@ -15,8 +15,7 @@ import psycopg
 import pytest
 
 from app import steps
-from app.cli import migrate
-from tests.conftest import create_database, drop_database, start_server, stop
+from tests.conftest import migrated_database, start_server, stop
 from tests.helpers import T1, T2, attempts, history, post, problem, record
 from tests.test_operations import metric
 
@@ -307,13 +306,8 @@ def test_a_cursor_of_another_listing_is_refused(client: httpx.Client) -> None:
 @pytest.fixture(scope="module")
 def quiet_database(server_dsn: str) -> Iterator[str]:
     """A database of this module's own: no sweeper but the one these tests control."""
-    name = "steprecord_leases_" + uuid.uuid4().hex[:8]
-    url = create_database(server_dsn, name)
-    try:
-        migrate(url)
+    with migrated_database(server_dsn, "steprecord_leases_") as url:
         yield url
-    finally:
-        drop_database(server_dsn, name)
 
 
 @pytest.fixture(scope="module")

@@ -16,19 +16,13 @@ import httpx
 import psycopg
 import pytest
 
-from app.cli import migrate
-from tests.conftest import create_database, drop_database, pgbouncer, start_server, stop
+from tests.conftest import migrated_database, pgbouncer, start_server, stop
 
 
 @pytest.fixture(scope="module")
 def own_database(server_dsn: str) -> Iterator[str]:
-    name = "steprecord_ops_" + uuid.uuid4().hex[:8]
-    url = create_database(server_dsn, name)
-    try:
-        migrate(url)
+    with migrated_database(server_dsn, "steprecord_ops_") as url:
         yield url
-    finally:
-        drop_database(server_dsn, name)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -259,16 +258,6 @@ def test_readyz_is_503_until_the_schema_is_at_head(scratch_database: str) -> Non
         assert httpx.get(f"{url}/readyz").status_code == 200
     finally:
         stop(proc)
-
-
-@pytest.fixture
-def own_postgres(tmp_path: Path) -> Iterator[EmbeddedPostgres]:
-    embedded = EmbeddedPostgres(tmp_path / "pg")
-    embedded.start()
-    try:
-        yield embedded
-    finally:
-        embedded.stop()
 
 
 def test_outage_answers_503_fast_and_recovers_by_itself(own_postgres: EmbeddedPostgres) -> None:

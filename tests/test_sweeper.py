@@ -2,9 +2,7 @@
 one database, and every expired lease is swept exactly once; an outage does not stop it."""
 
 import time
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import psycopg
@@ -12,7 +10,7 @@ import pytest
 
 from app.cli import migrate
 from app.embedded import EmbeddedPostgres
-from tests.conftest import create_database, drop_database, start_server, stop
+from tests.conftest import migrated_database, start_server, stop
 from tests.test_operations import metric
 
 FAST = {"STEPRECORD_SWEEP_SECONDS": "0.05"}
@@ -21,13 +19,8 @@ STEPS = 300
 
 @pytest.fixture
 def own_database(server_dsn: str) -> Iterator[str]:
-    name = "steprecord_sweep_" + uuid.uuid4().hex[:8]
-    url = create_database(server_dsn, name)
-    try:
-        migrate(url)
+    with migrated_database(server_dsn, "steprecord_sweep_") as url:
         yield url
-    finally:
-        drop_database(server_dsn, name)
 
 
 def swept_count(url: str) -> float:
@@ -76,16 +69,6 @@ def test_two_service_instances_sweep_each_expired_lease_exactly_once(own_databas
             stop(second_proc)
     finally:
         stop(first_proc)
-
-
-@pytest.fixture
-def own_postgres(tmp_path: Path) -> Iterator[EmbeddedPostgres]:
-    embedded = EmbeddedPostgres(tmp_path / "pg")
-    embedded.start()
-    try:
-        yield embedded
-    finally:
-        embedded.stop()
 
 
 def test_the_sweeper_resumes_after_a_database_outage(own_postgres: EmbeddedPostgres) -> None:
