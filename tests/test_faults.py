@@ -282,7 +282,12 @@ class FreezableProxy:
         if self._frozen:
             self._held.append(client)
             return
-        server = socket.create_connection(self._upstream)
+        host, port = self._upstream
+        if host.startswith("/"):  # a Unix socket directory, as the embedded server uses
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            server.connect(f"{host}/.s.PGSQL.{port}")
+        else:
+            server = socket.create_connection(self._upstream)
         self._peers[client], self._peers[server] = server, client
 
     def _relay(self, sock: socket.socket) -> None:
