@@ -124,9 +124,13 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
             sock.listen()
         except OSError as exc:
             return cannot_listen(args.host, args.port, exc)
+        reads = settings.read_database_url
+        replica = (
+            "" if reads is None else f", reads from replica {redact(reads.get_secret_value())}"
+        )
         print(
             f"steprecord listening on http://{args.host}:{args.port}"
-            f" (workers: {args.workers}), database {redact(url)}",
+            f" (workers: {args.workers}), database {redact(url)}{replica}",
             file=sys.stderr,
             flush=True,
         )

@@ -23,6 +23,10 @@ class Settings(BaseSettings):
     database_url: SecretStr | None = Field(
         default=None, validation_alias=AliasChoices("DATABASE_URL", "STEPRECORD_DATABASE_URL")
     )
+    # A PostgreSQL streaming replica for the reads; unset: every read goes to the primary.
+    read_database_url: SecretStr | None = None
+    # Reads bypass the replica while it is down or further behind the primary than this.
+    read_max_lag_seconds: float = Field(default=5.0, gt=0, le=3600)
     data_dir: Path = Field(default_factory=default_data_dir)
     pool_size: int = Field(default=10, ge=1, le=500)
     # Seconds a request may wait for a connection (or to open one) before it answers 503.

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -11,7 +12,7 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 from fastapi import FastAPI
 
-from app import docs, errors, observe, routes, schemas, sweeper
+from app import docs, errors, observe, replica, routes, schemas, sweeper
 from app.access import AccessControl, Tokens
 from app.config import Settings
 from app.db import DatabaseUnavailable, Pool
@@ -53,33 +54,57 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.database_url is None:
             raise RuntimeError("DATABASE_URL is not set (`steprecord serve` sets it for you)")
-        pool = Pool(
-            settings.database_url.get_secret_value(),
-            size=settings.pool_size,
-            timeout=settings.db_timeout,
-            statement_timeout=settings.statement_timeout,
-            prepare_threshold=settings.prepare_threshold,
-            on_change=observe.pool_changed,
+        primary_url = settings.database_url.get_secret_value()
+
+        def pool(conninfo: str, name: str) -> Pool:
+            return Pool(
+                conninfo,
+                size=settings.pool_size,
+                timeout=settings.db_timeout,
+                statement_timeout=settings.statement_timeout,
+                prepare_threshold=settings.prepare_threshold,
+                on_change=functools.partial(observe.pool_changed, name),
+            )
+
+        primary = pool(primary_url, "primary")
+        read_url = settings.read_database_url
+        reads = replica.ReadPool(
+            primary, None if read_url is None else pool(read_url.get_secret_value(), "replica")
         )
         tokens = Tokens(
-            pool,
+            primary,
             insecure_no_auth=settings.insecure_no_auth,
             refresh=settings.token_refresh_seconds,
         )
-        app.state.pool, app.state.tokens, app.state.schema_head = pool, tokens, schema_head()
+        app.state.pool, app.state.tokens, app.state.schema_head = primary, tokens, schema_head()
+        # Every read path takes its connection here: `await app.state.read_pool.run(work)`.
+        app.state.read_pool = reads
         app.state.schema_known = known_revisions()
         app.state.schema_accepted = frozenset({app.state.schema_head, *COMPATIBLE_AHEAD})
         with contextlib.suppress(DatabaseUnavailable, SchemaMissing):
             await tokens.load()
         tasks = [asyncio.create_task(tokens.keep_loading())]
         if settings.sweep_seconds > 0:
-            tasks.append(asyncio.create_task(sweeper.keep_sweeping(pool, settings.sweep_seconds)))
+            tasks.append(
+                asyncio.create_task(sweeper.keep_sweeping(primary, settings.sweep_seconds))
+            )
+        if read_url is not None:
+            check = replica.keep_checking(
+                reads,
+                primary_url,
+                read_url.get_secret_value(),
+                max_lag=settings.read_max_lag_seconds,
+                answer_within=settings.db_timeout,
+            )
+            tasks.append(asyncio.create_task(check))
         try:
             yield
         finally:
             for task in tasks:
                 task.cancel()
-            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await reads.close()
+            await primary.close()
 
     app = FastAPI(
         title="steprecord",

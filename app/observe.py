@@ -37,9 +37,20 @@ REQUEST_SECONDS = Histogram(
 EVENTS = Counter("steprecord_events_total", "Events by kind and outcome.", ["kind", "outcome"])
 POOL = Gauge(
     "steprecord_db_pool_connections",
-    "Database connections in use, and requests waiting for one.",
-    ["state"],
+    "Database connections in use, and requests waiting for one, by pool (primary, replica).",
+    ["pool", "state"],
     multiprocess_mode="livesum",
+)
+READS = Counter("steprecord_reads_total", "Reads by the database that served them.", ["pool"])
+REPLICA_LAG = Gauge(
+    "steprecord_read_replica_lag_seconds",
+    "How far the read replica is behind the primary, as last measured (+Inf: unreachable).",
+    multiprocess_mode="livemax",
+)
+REPLICA_IN_USE = Gauge(
+    "steprecord_read_replica_in_use",
+    "1 while reads go to the replica, 0 while they go to the primary.",
+    multiprocess_mode="livemin",
 )
 OUTCOMES = frozenset({"created", "applied", "replay", "conflict", "stale_attempt", "swept"})
 
@@ -53,9 +64,21 @@ def count_event(kind: str, outcome: str, amount: int = 1) -> None:
     EVENTS.labels(kind, outcome if outcome in OUTCOMES else "refused").inc(amount)
 
 
-def pool_changed(in_use: int, waiting: int) -> None:
-    POOL.labels("in_use").set(in_use)
-    POOL.labels("waiting").set(waiting)
+def pool_changed(pool: str, in_use: int, waiting: int) -> None:
+    POOL.labels(pool, "in_use").set(in_use)
+    POOL.labels(pool, "waiting").set(waiting)
+
+
+def count_read(pool: str) -> None:
+    READS.labels(pool).inc()
+
+
+def replica_lag(seconds: float) -> None:
+    REPLICA_LAG.set(seconds)
+
+
+def replica_in_use(in_use: bool) -> None:
+    REPLICA_IN_USE.set(1 if in_use else 0)
 
 
 def render() -> tuple[bytes, str]:

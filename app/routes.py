@@ -15,6 +15,7 @@ from app.db import Pool
 from app.errors import Problem, to_problem, validation_problem
 from app.events import BODIES, KINDS, parse_batch_event, parse_envelope, parse_event
 from app.models import NAME_PATTERN, STATUSES
+from app.replica import ReadPool
 from app.serialize import (
     MAX_DEPTH,
     BadJSON,
@@ -103,8 +104,15 @@ def _page(
 
 
 def _pool(request: Request) -> Pool:
+    """The primary: writes, heartbeats and the schema check."""
     pool: Pool = request.app.state.pool
     return pool
+
+
+def _reads(request: Request) -> ReadPool:
+    """The read replica while it is healthy, else the primary: `await _reads(r).run(work)`."""
+    reads: ReadPool = request.app.state.read_pool
+    return reads
 
 
 async def read_json(request: Request, limit: int, depth: int = MAX_DEPTH) -> Any:
@@ -292,10 +300,11 @@ async def list_steps(
 ) -> Response:
     statuses = _statuses(status)
     after = None if cursor is None else cursors.steps_position(order, cursor)
-    async with _pool(request).connection() as conn:
-        page = await steps.list_steps(
+    page = await _reads(request).run(
+        lambda conn: steps.list_steps(
             conn, instance_key, order=order, after=after, statuses=statuses, limit=limit
         )
+    )
     return _page(
         page,
         lambda r: record_json(r, fields == "summary"),
@@ -315,8 +324,7 @@ async def get_step(
     step_slug: StepSlug,
     fields: Fields = "full",
 ) -> Response:
-    async with _pool(request).connection() as conn:
-        record = await steps.get_step(conn, instance_key, step_slug)
+    record = await _reads(request).run(lambda conn: steps.get_step(conn, instance_key, step_slug))
     return _json(record_json(record, fields == "summary"))
 
 
@@ -335,8 +343,9 @@ async def list_attempts(
     fields: Fields = "full",
 ) -> Response:
     after = None if cursor is None else cursors.attempts_position(cursor)
-    async with _pool(request).connection() as conn:
-        page = await steps.list_attempts(conn, instance_key, step_slug, after=after, limit=limit)
+    page = await _reads(request).run(
+        lambda conn: steps.list_attempts(conn, instance_key, step_slug, after=after, limit=limit)
+    )
     return _page(page, lambda a: attempt_json(a, fields == "summary"), cursors.attempts_cursor)
 
 
@@ -362,8 +371,8 @@ async def list_recent_steps(
 ) -> Response:
     statuses = _statuses(status) or list(STATUSES)
     before = None if cursor is None else cursors.recent_position(cursor)
-    async with _pool(request).connection() as conn:
-        page = await steps.list_recent(
+    page = await _reads(request).run(
+        lambda conn: steps.list_recent(
             conn,
             statuses=statuses,
             updated_after=updated_after,
@@ -371,6 +380,7 @@ async def list_recent_steps(
             before=before,
             limit=limit,
         )
+    )
     return _page(page, lambda r: record_json(r, fields == "summary"), cursors.recent_cursor)
 
 
@@ -381,8 +391,7 @@ async def list_recent_steps(
     responses=schemas.read_responses(schemas.Instance),
 )
 async def get_instance(request: Request, instance_key: InstanceKey) -> Response:
-    async with _pool(request).connection() as conn:
-        return _json(await steps.get_instance(conn, instance_key))
+    return _json(await _reads(request).run(lambda conn: steps.get_instance(conn, instance_key)))
 
 
 @router.get(
@@ -397,8 +406,9 @@ async def list_instances(
     cursor: str | None = None,
 ) -> Response:
     before = None if cursor is None else cursors.instances_position(cursor)
-    async with _pool(request).connection() as conn:
-        items, last = await steps.list_instances(conn, before=before, limit=limit)
+    items, last = await _reads(request).run(
+        lambda conn: steps.list_instances(conn, before=before, limit=limit)
+    )
     next_cursor = None if last is None else cursors.instances_cursor(last)
     return _json({"items": items, "next_cursor": next_cursor})
 

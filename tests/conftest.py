@@ -132,7 +132,11 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def start_server(
-    database_url: str, *extra: str, env: dict[str, str] | None = None, stdout: Any = None
+    database_url: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    stdout: Any = None,
+    stderr: Any = None,
 ) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()
     proc = subprocess.Popen(
@@ -140,6 +144,7 @@ def start_server(
         env={**os.environ, **(env or {}), "DATABASE_URL": database_url},
         cwd=ROOT,
         stdout=stdout,
+        stderr=stderr,
     )
     url = f"http://127.0.0.1:{port}"
     try:
