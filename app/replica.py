@@ -190,7 +190,7 @@ def _route(reads: ReadPool, downs: int, lag: float, max_lag: float, why: str) ->
     healthy = lag <= max_lag and reads.downs == downs
     if healthy != reads.healthy:
         if healthy:
-            log.info("reads go to the replica again (%s)", why)
+            log.info("reads go to the replica (%s)", why)
         else:
             log.warning("reads go to the primary: the replica is %s", why)
     reads.healthy = healthy

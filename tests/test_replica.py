@@ -38,7 +38,16 @@ def make_replica(primary: EmbeddedPostgres, data_dir: Path) -> EmbeddedPostgres:
     replica = EmbeddedPostgres(data_dir)
     replica._prepare_dirs()
     replica._run(
-        "pg_basebackup", "-D", str(replica.pgdata), "-d", primary.url, "-R", "-X", "stream"
+        "pg_basebackup",
+        "-D",
+        str(replica.pgdata),
+        "-d",
+        primary.url,
+        "-R",
+        "-X",
+        "stream",
+        "-c",
+        "fast",
     )
     replica.start()
     return replica
