@@ -1,8 +1,11 @@
 """Small helpers shared by the HTTP tests."""
 
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+from app.embedded import EmbeddedPostgres
 
 T0 = "2026-12-02T10:00:00Z"
 T1 = "2026-12-02T10:00:01Z"
@@ -54,3 +57,23 @@ def attempts(client: httpx.Client, instance: str = "order-1", step: str = "charg
 def history(client: httpx.Client, instance: str = "order-1", step: str = "charge") -> Any:
     """The history in short: `(attempt, status)` of each attempt."""
     return [(a["attempt"], a["status"]) for a in attempts(client, instance, step)]
+
+
+def make_replica(primary: EmbeddedPostgres, data_dir: Path) -> EmbeddedPostgres:
+    """A hot standby streaming from `primary`: a base backup with its recovery settings."""
+    replica = EmbeddedPostgres(data_dir)
+    replica._prepare_dirs()
+    replica._run(
+        "pg_basebackup",
+        "-D",
+        str(replica.pgdata),
+        "-d",
+        primary.url,
+        "-R",
+        "-X",
+        "stream",
+        "-c",
+        "fast",
+    )
+    replica.start()
+    return replica

@@ -18,6 +18,7 @@ from app.cli import migrate
 from app.embedded import EmbeddedPostgres
 from app.replica import check_interval
 from tests.conftest import start_server, stop
+from tests.helpers import make_replica
 from tests.test_operations import metric
 
 MAX_LAG = 1.0
@@ -31,26 +32,6 @@ class Replicated:
     replica: EmbeddedPostgres
     url: str
     banner: Path
-
-
-def make_replica(primary: EmbeddedPostgres, data_dir: Path) -> EmbeddedPostgres:
-    """A hot standby streaming from `primary`: a base backup with its recovery settings."""
-    replica = EmbeddedPostgres(data_dir)
-    replica._prepare_dirs()
-    replica._run(
-        "pg_basebackup",
-        "-D",
-        str(replica.pgdata),
-        "-d",
-        primary.url,
-        "-R",
-        "-X",
-        "stream",
-        "-c",
-        "fast",
-    )
-    replica.start()
-    return replica
 
 
 @pytest.fixture
