@@ -3,10 +3,11 @@
 Run from the repository root: `.venv/bin/python -m tests.bench.replica [--duration S]`.
 It starts an embedded PostgreSQL primary and a streaming replica of it (`pg_basebackup -R`) in
 a temporary directory, loads the read table of run.py (`load_reads.sql`), then measures the
-same two loads at once, once with the service reading from the primary and once with
-`STEPRECORD_READ_DATABASE_URL` set to the replica: wrk `reads.lua` (first page of a random
-instance) and wrk `events.lua` (single events). The report says reads/s, read latency,
-events/s and which database served the reads (the service's `steprecord_reads_total`).
+same two loads at once on two services (`--workers 2` each, both up for the whole run, measured
+in alternating rounds): one reading from the primary, one with `STEPRECORD_READ_DATABASE_URL`
+set to the replica. The loads: wrk `reads.lua` (first page of a random instance) and wrk
+`events.lua` (single events). The report says reads/s, read latency, events/s (medians of the
+rounds) and which database served the reads (the service's `steprecord_reads_total`).
 Exits non-zero when any load had an error.
 """
 
@@ -20,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from app.cli import migrate
@@ -35,6 +36,7 @@ from tests.bench.run import (
     fmt,
     load_read_table,
     machine,
+    median_of,
     service,
     wrk,
 )
@@ -89,15 +91,58 @@ def together(
     return reads, writes[0]
 
 
+def measure(
+    args: argparse.Namespace, tmp: Path, primary: str, replica: str, errors: list[str]
+) -> list[tuple[str, Load, Load, str]]:
+    """Both services at once, measured in alternating rounds (other work on the machine then
+    skews both alike); the median of the rounds."""
+    instances = args.records // STEPS_PER_INSTANCE
+    setups: dict[str, dict[str, str]] = {
+        "primary only": {},
+        "with replica": {"STEPRECORD_READ_DATABASE_URL": replica},
+    }
+    with ExitStack() as stack:
+        bases: dict[str, str] = {}
+        for label, extra in setups.items():
+            with environment(**extra):
+                log = tmp / f"service-{len(bases)}.log"
+                bases[label] = stack.enter_context(service(primary, log))
+        time.sleep(2)  # the replica's first health check
+        for base in bases.values():
+            together(base, 2, args, instances)  # warm-up
+        runs: dict[str, list[tuple[Load, Load]]] = {label: [] for label in bases}
+        served: dict[str, dict[str, float]] = {label: {} for label in bases}
+        for turn in range(args.rounds):
+            for label in sorted(bases, reverse=bool(turn % 2)):
+                before = reads_by_pool(bases[label])
+                reads, writes = together(bases[label], args.duration / args.rounds, args, instances)
+                after = reads_by_pool(bases[label])
+                for pool, count in after.items():
+                    served[label][pool] = served[label].get(pool, 0) + count - before.get(pool, 0)
+                runs[label].append((reads, writes))
+                print(f"  {label}: {reads.rate:,.0f} reads/s", file=sys.stderr, flush=True)
+    rows = []
+    for label, loads in runs.items():
+        reads, writes = median_of([r for r, _ in loads]), median_of([w for _, w in loads])
+        for name, load in (("reads", reads), ("writes", writes)):
+            if load.errors:
+                errors.append(f"{label} {name}: {load.errors} errors. {load.detail}")
+        total = sum(served[label].values()) or 1
+        rows.append(
+            (label, reads, writes, f"{100 * served[label].get('replica', 0) / total:.0f}% replica")
+        )
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=10, help="seconds per load (10)")
+    parser.add_argument("--duration", type=float, default=15, help="seconds per setup (15)")
     parser.add_argument("--records", type=int, default=10**5, help="rows of the read table")
     parser.add_argument("--read-connections", type=int, default=8)
     parser.add_argument("--write-connections", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per setup")
     args = parser.parse_args()
     errors: list[str] = []
-    rows: list[tuple[str, Load, Load, str]] = []
     with tempfile.TemporaryDirectory(prefix="steprecord-bench-replica-") as tmp_name:
         tmp = Path(tmp_name)
         primary = EmbeddedPostgres(tmp / "primary")
@@ -108,25 +153,7 @@ def main() -> int:
             replica = make_replica(primary, tmp / "replica")
             try:
                 header = machine(primary.url)
-                instances = args.records // STEPS_PER_INSTANCE
-                for label, extra in (
-                    ("primary only", {}),
-                    ("with replica", {"STEPRECORD_READ_DATABASE_URL": replica.url}),
-                ):
-                    with environment(**extra), service(primary.url, tmp / "service.log") as base:
-                        time.sleep(2)  # the replica's first health check
-                        together(base, 2, args, instances)  # warm-up
-                        before = reads_by_pool(base)
-                        reads, writes = together(base, args.duration, args, instances)
-                        after = reads_by_pool(base)
-                    served = {pool: after.get(pool, 0) - before.get(pool, 0) for pool in after}
-                    total = sum(served.values()) or 1
-                    share = f"{100 * served.get('replica', 0) / total:.0f}% replica"
-                    for name, load in (("reads", reads), ("writes", writes)):
-                        if load.errors:
-                            errors.append(f"{label} {name}: {load.errors} errors. {load.detail}")
-                    rows.append((label, reads, writes, share))
-                    print(f"  {label}: {reads.rate:,.0f} reads/s, {share}", file=sys.stderr)
+                rows = measure(args, tmp, primary.url, replica.url, errors)
             finally:
                 replica.stop()
         finally:
@@ -135,7 +162,8 @@ def main() -> int:
     print(
         f"reads: {args.read_connections} connections, first page (limit {READ_LIMIT}) of a random"
         f" instance of {args.records:,} records; writes: {args.write_connections} connections of"
-        f" single events; service --workers {WORKERS}; {args.duration:g} s"
+        f" single events; service --workers {WORKERS}; {args.duration:g} s in"
+        f" {args.rounds} alternating rounds (median)"
     )
     print(f"{'':<14}{'reads/s':>9}  {'read p50/p99 ms':>16}  {'events/s':>9}  served by")
     for label, reads, writes, share in rows:
