@@ -143,6 +143,10 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=30,
+            # A worker answers the supervisor's health check only once it has imported the
+            # app; on a busy machine that takes longer than uvicorn's 5 s, and a worker
+            # killed for it is replaced by one just as slow, so none would ever start.
+            timeout_worker_healthcheck=60,
         )
         server = uvicorn.Server(config)
         try:
