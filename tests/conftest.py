@@ -107,7 +107,7 @@ def free_port() -> int:
         return port
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
