@@ -5,6 +5,7 @@ part (the notification on commit, the transaction id of each write)."""
 import json
 import queue
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -392,6 +393,21 @@ def test_streams_open_on_two_workers_are_all_counted_and_all_released(
             for stream in streams:
                 stream.close()
         eventually(lambda: streams_open(client) == 0)
+
+
+def test_sigterm_ends_open_streams_and_the_server_exits(server_dsn: str) -> None:
+    """A stream never ends by itself: shutdown ends it rather than wait for it."""
+    with migrated_database(server_dsn, "steprecord_stream_stop_") as url:
+        base, proc = start_server(url, env={"STEPRECORD_STREAM_HEARTBEAT_SECONDS": "0.3"})
+        try:
+            httpx.post(f"{base}/v1/instances/stopping/steps/a/declare", timeout=WAIT)
+            stream = Stream(f"{base}/v1/instances/stopping/stream")
+            stream.next_event()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(WAIT) == 0  # well before uvicorn's 30 s graceful timeout
+            stream.close()
+        finally:
+            stop(proc)
 
 
 def test_a_stream_needs_a_read_token_once_tokens_exist(server_dsn: str) -> None:
