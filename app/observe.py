@@ -52,6 +52,11 @@ REPLICA_IN_USE = Gauge(
     "1 while reads go to the replica, 0 while they go to the primary.",
     multiprocess_mode="livemin",
 )
+STREAMS_OPEN = Gauge(
+    "steprecord_streams_open",
+    "Live-update streams open.",
+    multiprocess_mode="livesum",
+)
 OUTCOMES = frozenset({"created", "applied", "replay", "conflict", "stale_attempt", "swept"})
 
 request_id: ContextVar[str] = ContextVar("request_id", default="-")
