@@ -11,7 +11,7 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 from fastapi import FastAPI
 
-from app import docs, errors, observe, routes, schemas, sweeper
+from app import docs, errors, observe, routes, schemas, sweeper, ui
 from app.access import AccessControl, Tokens
 from app.config import Settings
 from app.db import DatabaseUnavailable, Pool
@@ -91,6 +91,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
     )
     docs.install(app)
+    ui.install(app)
     errors.install(app)
     app.add_middleware(AccessControl)
     app.add_middleware(Observe)
