@@ -29,9 +29,7 @@ from app.db import DatabaseUnavailable, Pool
 from app.errors import Problem, problem_response
 
 log = logging.getLogger("steprecord.access")
-OPEN_PATHS = frozenset(
-    {"/healthz", "/readyz", "/openapi.json", *docs.OPEN_PATHS, *ui.OPEN_PATHS}
-)
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json", *docs.OPEN_PATHS, *ui.OPEN_PATHS})
 COOKIE_METHODS = frozenset({"GET", "HEAD"})
 SCOPES = ("read", "write")
 MAX_BACKOFF_SECONDS = 30.0
@@ -189,8 +187,7 @@ class AccessControl:
             await self.app(scope, receive, send)
             return
         if problem.status == 401 and ui.asks_for_login(scope):
-            response = ui.login_page(scope, problem.detail)
-            await response(scope, receive, send)
+            await ui.login_page(scope, problem.detail)(scope, receive, send)
             return
         response = problem_response(problem)
         if problem.status == 401:

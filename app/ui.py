@@ -150,9 +150,7 @@ def render(
     request: Request | None, template: str, http_status: int = 200, **context: Any
 ) -> HTMLResponse:
     signed_in = request is not None and COOKIE in request.cookies
-    html = ENV.get_template(template).render(
-        now=datetime.now(UTC), signed_in=signed_in, **context
-    )
+    html = ENV.get_template(template).render(now=datetime.now(UTC), signed_in=signed_in, **context)
     return HTMLResponse(html, status_code=http_status)
 
 
@@ -211,10 +209,10 @@ async def instances_page(request: Request) -> Response:
     prefix = (query.get("prefix") or "").strip() or None
     errors = []
     if status not in (None, "failed", "running"):
-        errors.append("The status filter is “has failed steps” or “has running steps”.")
+        errors.append('The status filter is "has failed steps" or "has running steps".')
     if prefix is not None and not PREFIX_RE.fullmatch(prefix):
         errors.append(
-            "A key prefix is 1–200 characters of letters, digits and . _ : - (as keys are)."
+            "A key prefix is 1 to 200 characters of letters, digits and . _ : - (as keys are)."
         )
     before = None
     if query.get("cursor"):
@@ -337,10 +335,9 @@ def asks_for_login(scope: Scope) -> bool:
 
 def _safe_next(target: str | None) -> str:
     """Where to go after signing in: a dashboard page of this service, never elsewhere."""
-    if target and (target == "/ui" or target.startswith("/ui/") or target.startswith("/ui?")):
-        if "\\" not in target and "//" not in target:
-            return target
-    return "/ui"
+    if not target or "\\" in target or "//" in target:
+        return "/ui"
+    return target if target == "/ui" or target.startswith(("/ui/", "/ui?")) else "/ui"
 
 
 def login_page(
