@@ -658,12 +658,22 @@ def prefix_range(prefix: str) -> tuple[str, str]:
     return prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
+def prefix_pattern(prefix: str) -> str:
+    """A LIKE pattern matching the keys that start with `prefix` (`_` is a wildcard there)."""
+    return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
 def list_instances_query(*, prefix: bool, has: Trouble | None) -> str:
     """Instances newest first with their step counts; a key prefix reads the prefix index, a
     status filter probes the partial index of running and failed records per instance."""
     where = ["(p.created_at, p.id) < (%(before_created_at)s, %(before_id)s)"]
     if prefix:
-        where.append("p.instance_key ~>=~ %(prefix_low)s AND p.instance_key ~<~ %(prefix_high)s")
+        # The range is what the index reads (in any plan); LIKE lets the planner estimate
+        # how many keys match from the column's statistics.
+        where.append(
+            "p.instance_key ~>=~ %(prefix_low)s AND p.instance_key ~<~ %(prefix_high)s"
+            " AND p.instance_key LIKE %(prefix_like)s"
+        )
     if has is not None:
         where.append(
             "EXISTS (SELECT FROM workflow_step_record f"
@@ -697,6 +707,7 @@ async def list_instances_with_counts(
     }
     if prefix:
         params["prefix_low"], params["prefix_high"] = prefix_range(prefix)
+        params["prefix_like"] = prefix_pattern(prefix)
     query = list_instances_query(prefix=bool(prefix), has=has)
     cur = await conn.execute(query, params)
     rows = await cur.fetchall()

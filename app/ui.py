@@ -335,7 +335,7 @@ def asks_for_login(scope: Scope) -> bool:
 
 def _safe_next(target: str | None) -> str:
     """Where to go after signing in: a dashboard page of this service, never elsewhere."""
-    if not target or "\\" in target or "//" in target:
+    if not target or "\\" in target or "//" in target or ".." in target:
         return "/ui"
     return target if target == "/ui" or target.startswith(("/ui/", "/ui?")) else "/ui"
 
