@@ -37,7 +37,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 SCRIPT = "<script>window.pwned = 1</script>"
-IMAGE = '<img src="x" onerror="window.pwned = 1">'
+IMAGE = "<img src=x onerror=window.pwned=1>"
 SCRIPT_URL = "javascript://example.com/%0Awindow.pwned=1"
 
 
@@ -147,7 +147,8 @@ def test_the_instance_page_has_a_lane_per_step_and_a_bar_per_attempt(
         ("running", "2"),
         ("swept", "1"),
     ]
-    assert "swept (lease expired)" in page
+    assert "failed, lease expired" in page  # in words, not only in colour
+    assert "swept (lease expired)" in page  # the legend
     assert page.count("<tr data-step=") == 4
     assert 'data-stream="/v1/instances/order-1/stream"' in page
 

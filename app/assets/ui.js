@@ -38,7 +38,7 @@
     var m = mark(status, code), span = document.createElement("span"), g = document.createElement("span");
     span.className = "badge " + m;
     g.className = "glyph"; g.setAttribute("aria-hidden", "true"); g.textContent = GLYPHS[m];
-    span.append(g, " " + (m === "swept" ? "swept (lease expired)" : status));
+    span.append(g, " " + (m === "swept" ? "failed, lease expired" : status));
     return span;
   }
 
