@@ -7,7 +7,6 @@ Access (README, "Dashboard"): the API's rules, plus a read token kept in an Http
 
 import json
 import re
-from collections.abc import Iterable
 from contextlib import AbstractAsyncContextManager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -161,36 +160,70 @@ def not_found(request: Request, what: str) -> HTMLResponse:
 # --- the timeline ----------------------------------------------------------------------
 
 
-def timeline(records: Iterable[dict[str, Any]], now: datetime) -> dict[str, Any]:
-    """Lanes of bars, one per attempt, placed in percent of the timeline's width (the page's
-    script places them again as running bars grow)."""
-    records = list(records)
+def label(status: str, error_code: str | None) -> str:
+    """A status in words, as a badge shows it after its glyph."""
+    return "failed, lease expired" if mark(status, error_code) == "swept" else status
+
+
+def shorten(name: str, size: int = 28) -> str:
+    return name if len(name) <= size else name[: size - 1] + "…"
+
+
+def timeline(instance_key: str, records: list[dict[str, Any]], now: datetime) -> dict[str, Any]:
+    """The instance page's rows: the steps table and the timeline's lanes, with every text
+    formatted here (the template only places and escapes them; it renders 1,000 steps fast).
+
+    Bars are placed in percent of the timeline's width; the page's script places them again
+    as running bars grow."""
     starts = [a["started_at"] for r in records for a in r["attempts"]]
     ends = [a["completed_at"] or now for r in records for a in r["attempts"]]
-    lanes: list[dict[str, Any]] = []
-    if not starts:
-        first = last = now
-    else:
-        first, last = min(starts), max(ends)
+    first, last = (min(starts), max(ends)) if starts else (now, now)
     span = max((last - first).total_seconds(), 0.001)
+    rows = []
+    steps_path = path("instances", instance_key, "steps") + "/"
     for index, record in enumerate(records):
         bars = []
         for attempt in record["attempts"]:
             start = (attempt["started_at"] - first).total_seconds() / span
             end = ((attempt["completed_at"] or now) - first).total_seconds() / span
+            code = attempt["error_code"]
             bars.append(
-                {
-                    **attempt,
-                    "mark": mark(attempt["status"], attempt["error_code"]),
-                    "x": round(LABEL + start * AREA, 3),
-                    "width": round(max((end - start) * AREA, 0.15), 3),
-                }
+                (
+                    mark(attempt["status"], code),
+                    round(LABEL + start * AREA, 3),
+                    round(max((end - start) * AREA, 0.15), 3),
+                    attempt["attempt"],
+                    millis(attempt["started_at"]),
+                    millis(attempt["completed_at"]),
+                    f"attempt {attempt['attempt']}: {label(attempt['status'], code)}"
+                    + (f" ({code})" if code and code != "lease_expired" else ""),
+                )
             )
-        lanes.append({"record": record, "y": AXIS + index * LANE, "bars": bars})
+        status, code = record["status"], record["error_code"]
+        rows.append(
+            {
+                "slug": record["step_slug"],
+                "short": shorten(record["step_slug"]),
+                "href": steps_path + quote(record["step_slug"], safe=""),
+                "y": AXIS + index * LANE,
+                "bars": bars,
+                "ordinal": record["ordinal"],
+                "status": status,
+                "mark": mark(status, code),
+                "label": label(status, code),
+                "attempts": record["attempt_count"],
+                "started": utc(record["started_at"]),
+                "start_ms": millis(record["started_at"]),
+                "end_ms": millis(record["completed_at"]),
+                "took": took(record["started_at"], record["completed_at"], now),
+                "error": code or "",
+                "updated": iso(record["updated_at"]),
+            }
+        )
     return {
-        "lanes": lanes,
-        "first": first if starts else None,
-        "last": last if starts else None,
+        "rows": rows,
+        "first": utc(first) if starts else "",
+        "last": utc(last) if starts else "",
         "height": AXIS + max(len(records), 1) * LANE + 4,
         "label": LABEL,
         "area": AREA,
@@ -270,7 +303,7 @@ async def instance_page(request: Request, instance_key: str) -> Response:
         records=records,
         more=more,
         max_steps=MAX_STEPS,
-        timeline=timeline(records, now),
+        timeline=timeline(instance_key, records, now),
         stream=f"/v1/instances/{quote(instance_key, safe='')}/stream",
     )
 

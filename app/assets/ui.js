@@ -141,7 +141,6 @@
       setBar(last, +last.dataset.attempt, "superseded", null, +last.dataset.start, start);
     }
     var bar = document.createElementNS(SVG, "rect");
-    bar.setAttribute("y", "3"); bar.setAttribute("height", "12");
     setBar(bar, rec.attempt_count, rec.status, rec.error_code, start, ms(rec.completed_at));
     g.append(bar);
   }
