@@ -8,7 +8,8 @@ Access (README, "Dashboard"): the API's rules, plus a read token kept in an Http
 import json
 import re
 from contextlib import AbstractAsyncContextManager
-from datetime import UTC, datetime
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
@@ -42,6 +43,10 @@ NAME_RE = re.compile(NAME_PATTERN)
 # The timeline: labels take the left LABEL percent of its width, bars the next AREA percent.
 LABEL, AREA = 22.0, 77.0
 LANE, AXIS = 18, 22
+# Long pages are drawn in chunks of steps that the browser lays out only once scrolled into
+# view (`content-visibility: auto`); ROW_HEIGHT is a table row's estimated height in pixels.
+CHUNK = 100
+ROW_HEIGHT = 27
 GLYPHS = {
     "pending": "○",
     "running": "▶",
@@ -160,6 +165,29 @@ def not_found(request: Request, what: str) -> HTMLResponse:
 # --- the timeline ----------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Row:
+    """A step as the instance page shows it, in its table row and its timeline lane."""
+
+    slug: str
+    short: str
+    href: str
+    y: int
+    bars: list[tuple[str, float, float, int, str, str, str]]
+    ordinal: int
+    status: str
+    mark: str
+    glyph: str
+    label: str
+    attempts: int
+    started: str
+    start_ms: str
+    end_ms: str
+    took: str
+    error: str
+    updated: str
+
+
 def label(status: str, error_code: str | None) -> str:
     """A status in words, as a badge shows it after its glyph."""
     return "failed, lease expired" if mark(status, error_code) == "swept" else status
@@ -178,7 +206,10 @@ def timeline(instance_key: str, records: list[dict[str, Any]], now: datetime) ->
     starts = [a["started_at"] for r in records for a in r["attempts"]]
     ends = [a["completed_at"] or now for r in records for a in r["attempts"]]
     first, last = (min(starts), max(ends)) if starts else (now, now)
-    span = max((last - first).total_seconds(), 0.001)
+    # 5% of room past the last end, so running bars grow a while before the scale must change
+    # (the page's script keeps the same rule).
+    last += max(last - first, timedelta(seconds=1)) * 0.05
+    span = (last - first).total_seconds()
     rows = []
     steps_path = path("instances", instance_key, "steps") + "/"
     for index, record in enumerate(records):
@@ -201,34 +232,38 @@ def timeline(instance_key: str, records: list[dict[str, Any]], now: datetime) ->
             )
         status, code = record["status"], record["error_code"]
         rows.append(
-            {
-                "slug": record["step_slug"],
-                "short": shorten(record["step_slug"]),
-                "href": steps_path + quote(record["step_slug"], safe=""),
-                "y": AXIS + index * LANE,
-                "bars": bars,
-                "ordinal": record["ordinal"],
-                "status": status,
-                "mark": mark(status, code),
-                "label": label(status, code),
-                "attempts": record["attempt_count"],
-                "started": utc(record["started_at"]),
-                "start_ms": millis(record["started_at"]),
-                "end_ms": millis(record["completed_at"]),
-                "took": took(record["started_at"], record["completed_at"], now),
-                "error": code or "",
-                "updated": iso(record["updated_at"]),
-            }
+            Row(
+                slug=record["step_slug"],
+                short=shorten(record["step_slug"]),
+                href=steps_path + quote(record["step_slug"], safe=""),
+                y=(index % CHUNK) * LANE,
+                bars=bars,
+                ordinal=record["ordinal"],
+                status=status,
+                mark=mark(status, code),
+                glyph=GLYPHS[mark(status, code)],
+                label=label(status, code),
+                attempts=record["attempt_count"],
+                started=utc(record["started_at"]),
+                start_ms=millis(record["started_at"]),
+                end_ms=millis(record["completed_at"]),
+                took=took(record["started_at"], record["completed_at"], now),
+                error=code or "",
+                updated=iso(record["updated_at"]),
+            )
         )
+    chunks = [rows[i : i + CHUNK] for i in range(0, len(rows), CHUNK)] or [[]]
     return {
-        "rows": rows,
+        "chunks": chunks,
         "first": utc(first) if starts else "",
         "last": utc(last) if starts else "",
-        "height": AXIS + max(len(records), 1) * LANE + 4,
+        "first_ms": millis(first) if starts else "",
+        "last_ms": millis(last) if starts else "",
         "label": LABEL,
         "area": AREA,
         "lane": LANE,
         "axis": AXIS,
+        "row_height": ROW_HEIGHT,
     }
 
 

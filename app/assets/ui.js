@@ -6,14 +6,13 @@
   if (!main || !window.EventSource) return;
   var SVG = "http://www.w3.org/2000/svg";
   var GLYPHS = {pending: "○", running: "▶", completed: "✓", failed: "✗", superseded: "↷", swept: "⊘"};
-  var svg = document.getElementById("timeline");
-  var tbody = document.querySelector("#steps tbody");
-  var LABEL = +svg.dataset.label, AREA = +svg.dataset.area;
-  var LANE = +svg.dataset.lane, AXIS = +svg.dataset.axis;
+  // The page comes in chunks of steps: a <svg> of lanes and a <table> of rows each.
+  var timeline = document.getElementById("timeline");
+  var LABEL = +timeline.dataset.label, AREA = +timeline.dataset.area, LANE = +timeline.dataset.lane;
   var key = main.dataset.key;
   var rows = new Map(), lanes = new Map();
-  tbody.querySelectorAll("tr").forEach(function (tr) { rows.set(tr.dataset.step, tr); });
-  svg.querySelectorAll("g.lane").forEach(function (g) { lanes.set(g.dataset.step, g); });
+  document.querySelectorAll("#steps tbody tr").forEach(function (tr) { rows.set(tr.dataset.step, tr); });
+  timeline.querySelectorAll("g.lane").forEach(function (g) { lanes.set(g.dataset.step, g); });
 
   function ms(text) { return text ? Date.parse(text) : NaN; }
   function utc(t) { return isNaN(t) ? "" : new Date(t).toISOString().slice(0, 19).replace("T", " ") + " UTC"; }
@@ -42,26 +41,39 @@
     return span;
   }
 
-  // Place every bar: the scale runs from the first start to the last end, running bars to now.
-  function layout() {
-    var bars = svg.querySelectorAll("rect.bar"), now = Date.now(), first = Infinity, last = -Infinity;
+  // Place the bars: the scale runs from the first start to past the last end (running bars
+  // end now). It has 5% of room to spare, so as running bars grow only they move, until
+  // they reach its end and every bar is placed again.
+  var scaleFirst = timeline.dataset.first ? +timeline.dataset.first : NaN;
+  var scaleEnd = timeline.dataset.end ? +timeline.dataset.end : NaN;
+  function place(b, now) {
+    var s = +b.dataset.start, e = b.dataset.end ? +b.dataset.end : now, span = scaleEnd - scaleFirst;
+    b.setAttribute("x", (LABEL + (s - scaleFirst) / span * AREA).toFixed(3) + "%");
+    b.setAttribute("width", Math.max((e - s) / span * AREA, 0.15).toFixed(3) + "%");
+  }
+  function layout(all) {
+    var now = Date.now(), first = Infinity, last = -Infinity, bars = timeline.querySelectorAll("rect.bar");
     bars.forEach(function (b) {
       var s = +b.dataset.start, e = b.dataset.end ? +b.dataset.end : now;
       if (s < first) first = s;
       if (e > last) last = e;
     });
-    if (bars.length) {
-      var span = Math.max(last - first, 1);
-      bars.forEach(function (b) {
-        var s = +b.dataset.start, e = b.dataset.end ? +b.dataset.end : now;
-        b.setAttribute("x", (LABEL + (s - first) / span * AREA).toFixed(3) + "%");
-        b.setAttribute("width", Math.max((e - s) / span * AREA, 0.15).toFixed(3) + "%");
-      });
-      document.getElementById("t-first").textContent = utc(first);
-      document.getElementById("t-last").textContent = utc(last);
+    if (!bars.length) return;
+    if (all || isNaN(scaleFirst) || first < scaleFirst || last > scaleEnd) {
+      scaleFirst = first;
+      scaleEnd = last + Math.max(last - first, 1000) * 0.05;
+      bars.forEach(function (b) { place(b, now); });
+      document.getElementById("t-first").textContent = utc(scaleFirst);
+      document.getElementById("t-last").textContent = utc(scaleEnd);
+    } else {
+      timeline.querySelectorAll("rect.bar[data-end='']").forEach(function (b) { place(b, now); });
     }
-    tbody.querySelectorAll("td.duration").forEach(function (td) {
-      if (td.dataset.start && !td.dataset.end) td.textContent = duration((now - td.dataset.start) / 1000);
+  }
+  function tick() {
+    var now = Date.now();
+    if (timeline.querySelector("rect.bar[data-end='']")) layout(false);
+    document.querySelectorAll("#steps td.duration[data-end='']").forEach(function (td) {
+      if (td.dataset.start) td.textContent = duration((now - td.dataset.start) / 1000);
     });
   }
 
@@ -96,8 +108,10 @@
     rows.forEach(function (other) {
       if (!before && +other.dataset.ordinal > rec.ordinal) before = other;
     });
-    tbody.insertBefore(tr, before);
-    rows = new Map(Array.prototype.map.call(tbody.rows, function (r) { return [r.dataset.step, r]; }));
+    var bodies = document.querySelectorAll("#steps tbody");
+    (before ? before.parentNode : bodies[bodies.length - 1]).insertBefore(tr, before);
+    rows = new Map();
+    document.querySelectorAll("#steps tbody tr").forEach(function (r) { rows.set(r.dataset.step, r); });
     var g = document.createElementNS(SVG, "g"), link = document.createElementNS(SVG, "a");
     var text = document.createElementNS(SVG, "text");
     g.setAttribute("class", "lane"); g.dataset.step = rec.step_slug;
@@ -106,13 +120,15 @@
     text.setAttribute("clip-path", "url(#labels)"); text.textContent = rec.step_slug;
     link.append(text); g.append(link);
     var nextLane = before ? lanes.get(before.dataset.step) : null;
-    svg.insertBefore(g, nextLane || null);
+    var chunks = timeline.querySelectorAll("svg.lanes"), svg = nextLane ? nextLane.parentNode : chunks[chunks.length - 1];
+    svg.insertBefore(g, nextLane);
     lanes.set(rec.step_slug, g);
-    var y = AXIS;
+    var y = 0;
     svg.querySelectorAll("g.lane").forEach(function (lane) {
       lane.setAttribute("transform", "translate(0 " + y + ")"); y += LANE;
     });
     svg.setAttribute("height", y + 4);
+    svg.parentNode.style.containIntrinsicSize = "auto " + (y + 4) + "px";
     var empty = document.querySelector(".timeline-box .empty");
     if (empty) empty.remove();
     return tr;
@@ -125,6 +141,7 @@
     bar.dataset.end = isNaN(end) ? "" : end;
     var title = bar.querySelector("title") || bar.appendChild(document.createElementNS(SVG, "title"));
     title.textContent = "attempt " + attempt + ": " + status + (code ? " (" + code + ")" : "");
+    if (!isNaN(scaleFirst)) place(bar, Date.now());
   }
 
   // The lane shows every attempt; a record event carries the latest, so an older running bar
@@ -167,7 +184,7 @@
   function soon() {
     if (pending) return;
     pending = true;
-    requestAnimationFrame(function () { pending = false; layout(); });
+    requestAnimationFrame(function () { pending = false; layout(false); });
   }
 
   var live = document.getElementById("live");
@@ -181,7 +198,5 @@
     apply(rec);
     soon();
   });
-  setInterval(function () {
-    if (svg.querySelector("rect.bar:not([data-end]), rect.bar[data-end='']")) layout();
-  }, 1000);
+  setInterval(tick, 1000);
 })();

@@ -128,7 +128,13 @@ def load_demo_instance(client: httpx.Client, key: str) -> None:
         },
     ]
     events += [
-        {**e, "step_slug": "reserve-stock", "kind": "complete", "attempt": 1, "completed_at": at(25)},
+        {
+            **e,
+            "step_slug": "reserve-stock",
+            "kind": "complete",
+            "attempt": 1,
+            "completed_at": at(25),
+        },
         {**e, "step_slug": "charge", "kind": "start", "attempt": 2, "started_at": at(30)},
         {
             **e,
