@@ -884,13 +884,25 @@ CHANNEL = "steprecord_changes"
 STREAM_PAGE = 500
 
 # A stream's read: the records of an instance after a position `(changed_xid, id)`, in that
-# order, but only those written by transactions below the horizon: the xmin of this very
-# statement's snapshot, below which every transaction has ended, so no record can still appear
-# there later. The position after a read is (horizon, 0), so a change is never sent twice and
-# never skipped. `behind` says whether a visible record at or above the horizon waits for an
-# older transaction still in flight (elsewhere); the stream then reads again shortly.
+# order, but only those written by transactions below the horizon, before which every
+# transaction that could write this database has ended, so no record can still appear there
+# later. The horizon is the oldest transaction still running at this very statement's snapshot,
+# skipping those that the activity view shows working in another database (a cluster's other
+# databases never write here; one that already ended by the time the view is read counts as
+# ours, to be safe), or the snapshot's xmax when none is left. The position after a read is
+# (horizon, 0), so a change is never sent twice and never skipped. `behind` says whether a
+# visible record at or above the horizon waits for an older transaction still in flight; the
+# stream then reads again shortly.
 STREAM_CHANGES = f"""
-WITH w AS MATERIALIZED (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS horizon)
+WITH now AS MATERIALIZED (SELECT pg_current_snapshot() AS snapshot),
+w AS MATERIALIZED (
+    SELECT least(pg_snapshot_xmax(now.snapshot), (
+        SELECT x FROM pg_snapshot_xip(now.snapshot) AS x
+        WHERE NOT EXISTS (SELECT FROM pg_stat_activity a
+                          WHERE a.backend_xid = x::xid AND a.datname <> current_database())
+        ORDER BY x LIMIT 1)) AS horizon
+    FROM now
+)
 SELECT p.id AS instance_id, w.horizon::text AS horizon,
        EXISTS (SELECT FROM workflow_step_record l
                WHERE l.instance_id = p.id AND l.changed_xid >= w.horizon) AS behind,
