@@ -274,6 +274,9 @@ def timeline(instance_key: str, records: list[dict[str, Any]], now: datetime) ->
 async def instances_page(request: Request) -> Response:
     query = request.query_params
     status = query.get("status") or None
+    has: steps.Trouble | None = "failed" if status == "failed" else None
+    if status == "running":
+        has = "running"
     prefix = (query.get("prefix") or "").strip() or None
     errors = []
     if status not in (None, "failed", "running"):
@@ -295,15 +298,18 @@ async def instances_page(request: Request) -> Response:
             items, last = await steps.list_instances_with_counts(
                 conn,
                 prefix=prefix,
-                has=status,  # type: ignore[arg-type]
+                has=has,
                 before=before,
                 limit=PAGE_SIZE,
             )
     next_query = None
     if last is not None:
-        params = {"status": status or "", "prefix": prefix or ""}
+        params = {
+            "status": status or "",
+            "prefix": prefix or "",
+            "cursor": cursors.instances_cursor(last),
+        }
         next_query = "&".join(f"{k}={quote(v)}" for k, v in params.items() if v)
-        next_query += ("&" if next_query else "") + "cursor=" + cursors.instances_cursor(last)
     return render(
         request,
         "instances.html",
