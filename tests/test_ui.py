@@ -395,7 +395,9 @@ def plan(db: Any, sql: str, params: dict[str, Any]) -> str:
 LIST = {"before_created_at": "infinity", "before_id": 0, "limit": 51}
 
 
-PREFIX = "ix_process_instance_instance_key_prefix"
+# In a database whose collation is C, the unique index on the key is byte-ordered too and the
+# planner may read the prefix from it instead.
+PREFIX = ("ix_process_instance_instance_key_prefix", "uq_process_instance_instance_key")
 # "Has failed/running steps": a probe per instance into the partial index, or, when few
 # records have that status, the status index read first.
 TROUBLE = ("ix_workflow_step_record_running_failed", "ix_workflow_step_record_status_updated_at_id")
@@ -405,10 +407,10 @@ TROUBLE = ("ix_workflow_step_record_running_failed", "ix_workflow_step_record_st
     ("prefix", "has", "indexes"),
     [
         (False, None, ("ix_process_instance_created_at_id",)),
-        (True, None, (PREFIX,)),
+        (True, None, PREFIX),
         (False, "failed", TROUBLE),
         (False, "running", TROUBLE),
-        (True, "running", (PREFIX,)),
+        (True, "running", PREFIX),
     ],
 )
 def test_each_instance_filter_is_served_by_an_index(
