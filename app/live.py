@@ -8,7 +8,8 @@ with one short query on the pool. A flag, not a queue: any number of notificatio
 stream reads costs one read, so a slow client holds no more than its position and the flag.
 
 Nothing is lost while the listener is away: a stream's position, not the notifications,
-says what it has sent, and after the listener reconnects every stream reads once.
+says what it has sent, and after the listener reconnects every stream reads once. Each
+keepalive is followed by a read too, so no change can wait longer than one heartbeat.
 """
 
 import asyncio
@@ -37,8 +38,10 @@ CHECK_SECONDS = 10.0  # how often an idle listener proves its connection alive
 CONNECT_SECONDS = 5.0
 MAX_BACKOFF_SECONDS = 5.0
 # While a committed change waits behind an older transaction, a stream reads again after this
-# long, doubling up to the maximum for as long as the wait lasts.
+# long, for a second (such waits are usually short: a transaction that just ended in another
+# database, a concurrent write), then less and less often, down to once a second.
 BEHIND_SECONDS = 0.05
+BEHIND_STEADY_SECONDS = 1.0
 MAX_BEHIND_SECONDS = 1.0
 RETRY_SECONDS = 1.0  # after a read failed (the database away)
 EVENT_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,19})")
@@ -143,7 +146,7 @@ async def events(
 ) -> AsyncIterator[bytes]:
     """The stream's body: `first` (what the handler read), then every later change."""
     loop = asyncio.get_running_loop()
-    behind_delay = BEHIND_SECONDS
+    behind_delay, behind_since = BEHIND_SECONDS, None
     with hub.subscribe(first.instance_id) as subscription:
         changes: steps.Changes | None = first
         position = first.position
@@ -158,10 +161,13 @@ async def events(
                 if changes.more:
                     read_at = loop.time()
                 elif changes.behind:
-                    read_at = loop.time() + behind_delay
-                    behind_delay = min(behind_delay * 2, MAX_BEHIND_SECONDS)
+                    now = loop.time()
+                    read_at = now + behind_delay
+                    behind_since = now if behind_since is None else behind_since
+                    if now - behind_since > BEHIND_STEADY_SECONDS:
+                        behind_delay = min(behind_delay * 2, MAX_BEHIND_SECONDS)
                 else:
-                    read_at, behind_delay = None, BEHIND_SECONDS
+                    read_at, behind_delay, behind_since = None, BEHIND_SECONDS, None
                 changes = None
             wake_at = last_sent + heartbeat
             if read_at is not None:
@@ -185,6 +191,9 @@ async def events(
             elif now >= last_sent + heartbeat:
                 yield KEEPALIVE
                 last_sent = now
+                # A safety net: had a notification been lost (a listener misconfigured behind
+                # PgBouncer, say), its change waits no longer than one heartbeat.
+                subscription.dirty.set()
 
 
 class EventStream(StreamingResponse):

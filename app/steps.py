@@ -889,17 +889,21 @@ STREAM_PAGE = 500
 # later. The horizon is the oldest transaction still running at this very statement's snapshot,
 # skipping those that the activity view shows working in another database (a cluster's other
 # databases never write here; one that already ended by the time the view is read counts as
-# ours, to be safe), or the snapshot's xmax when none is left. The position after a read is
+# ours, to be safe), or the snapshot's xmax when none is left. The activity view is read only
+# when some transaction is running, and then once. The position after a read is
 # (horizon, 0), so a change is never sent twice and never skipped. `behind` says whether a
 # visible record at or above the horizon waits for an older transaction still in flight; the
 # stream then reads again shortly.
 STREAM_CHANGES = f"""
 WITH now AS MATERIALIZED (SELECT pg_current_snapshot() AS snapshot),
+elsewhere AS MATERIALIZED (
+    SELECT a.backend_xid FROM pg_stat_activity a
+    WHERE a.backend_xid IS NOT NULL AND a.datname <> current_database()
+),
 w AS MATERIALIZED (
     SELECT least(pg_snapshot_xmax(now.snapshot), (
         SELECT x FROM pg_snapshot_xip(now.snapshot) AS x
-        WHERE NOT EXISTS (SELECT FROM pg_stat_activity a
-                          WHERE a.backend_xid = x::xid AND a.datname <> current_database())
+        WHERE x::xid NOT IN (SELECT backend_xid FROM elsewhere)
         ORDER BY x LIMIT 1)) AS horizon
     FROM now
 )

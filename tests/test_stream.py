@@ -2,10 +2,12 @@
 servers, resumption by event id, several workers and service instances, and the database's
 part (the notification on commit, the transaction id of each write)."""
 
+import contextlib
 import json
 import queue
 import re
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,12 +39,13 @@ class Event:
 class Stream:
     """An SSE stream read on a thread of its own: records and keepalives land in a queue.
 
-    The server sends keepalives often in these tests, so the reader notices `close()` soon.
+    `close()` closes the connection under the reader, so it ends even between keepalives.
     """
 
     def __init__(self, url: str, headers: dict[str, str] | None = None, **params: str) -> None:
         self.items: queue.Queue[Event | str | BaseException] = queue.Queue()
         self.response_headers: httpx.Headers | None = None
+        self._response: httpx.Response | None = None
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(
@@ -59,7 +62,7 @@ class Stream:
                 client.stream("GET", url, headers=headers, params=params) as response,
             ):
                 assert response.status_code == 200, response.read()
-                self.response_headers = response.headers
+                self.response_headers, self._response = response.headers, response
                 self._ready.set()
                 fields: dict[str, str] = {}
                 for line in response.iter_lines():
@@ -104,6 +107,11 @@ class Stream:
 
     def close(self) -> None:
         self._stop.set()
+        if self._response is not None and self._thread.is_alive():
+            # Wakes the reader blocked in recv(): closing the response would wait for it.
+            connection = self._response.extensions["network_stream"].get_extra_info("socket")
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
         self._thread.join(WAIT)
         assert not self._thread.is_alive()
 
@@ -339,8 +347,11 @@ def test_lease_heartbeats_and_the_sweeper_are_streamed(
 
 @pytest.fixture(scope="module")
 def two_services(server_dsn: str) -> Iterator[tuple[str, str]]:
-    """Two service instances on one database of their own: the first with two workers."""
-    env = {"STEPRECORD_STREAM_HEARTBEAT_SECONDS": "0.3"}
+    """Two service instances on one database of their own: the first with two workers.
+
+    Keepalives (each followed by a read) come only every minute here, so events arrive by
+    notification or not at all within the tests' waits."""
+    env = {"STEPRECORD_STREAM_HEARTBEAT_SECONDS": "60"}
     with migrated_database(server_dsn, "steprecord_stream_") as url:
         first, first_proc = start_server(url, "--workers", "2", env=env)
         try:
