@@ -80,178 +80,17 @@ RECORD = (
     " {r}.output::text AS output, {r}.external_output_url, {r}.started_at, {r}.completed_at,"
     " {r}.error_code, {r}.error_message, {r}.created_at, {r}.updated_at, {r}.lease_expires_at"
 )
-NO_RECORD = ", ".join(["NULL"] * 14)
-
-# Positions: a record sits at (attempt_count, rank), rank pending 0, running 1, finished 2;
-# an event at (attempt, k), k declare 0, start 1, complete/fail 2 (README, "Events").
-#
-# A start's lease runs from the database clock; only a start carries `lease_seconds`, so every
-# other event clears the lease.
-#
-# Its parameters are $1 the events' indexes, then one array per field of `PARAMS`, in order;
-# it runs on a raw cursor so the long text is sent as is, never re-parsed for placeholders.
-# One statement applies a set of events of distinct steps, in event order `i`: a single event
-# is a set of one. Server-assigned ordinals follow event order: with `s` the running count of
-# server-assigned new steps of an instance and `a` the running max of (client ordinal + 1 - s),
-# a server-assigned step gets s + max(base, a) - 1, which is what applying the events one by
-# one would give, and the instance's counter ends at s_total + max(base, a_total).
-APPLY_EVENTS = f"""
-WITH e AS MATERIALIZED (
-    SELECT x.i, x.instance_key, x.step_slug, x.kind, x.attempt, x.started_at, x.completed_at,
-           x.output::jsonb AS output, x.url, x.error_code, x.error_message, x.ordinal,
-           clock_timestamp() + x.lease_seconds * interval '1 second' AS lease_expires_at,
-           clock_timestamp() AS now,
-           CASE x.kind WHEN 'declare' THEN 0 WHEN 'start' THEN 1 ELSE 2 END AS k,
-           CASE x.kind WHEN 'declare' THEN 'pending' WHEN 'start' THEN 'running'
-                       WHEN 'complete' THEN 'completed' ELSE 'failed' END AS target,
-           (x.kind IN ('declare', 'start') OR x.started_at IS NOT NULL) AS can_create
-    FROM unnest(
-        $1::int[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::timestamptz[],
-        $7::timestamptz[], $8::text[], $9::text[], $10::text[], $11::text[], $12::bigint[],
-        $13::int[]
-    ) AS x(i, instance_key, step_slug, kind, attempt, started_at, completed_at, output, url,
-           error_code, error_message, ordinal, lease_seconds)
-),
-known AS (
-    SELECT p.id, p.instance_key FROM process_instance p
-    WHERE p.instance_key IN (SELECT instance_key FROM e)
-),
-cur AS (
-    SELECT e.i, r.* FROM e
-    JOIN known ON known.instance_key = e.instance_key
-    JOIN workflow_step_record r ON r.instance_id = known.id AND r.step_slug = e.step_slug
-    ORDER BY r.id
-    FOR UPDATE OF r
-),
-dec AS (
-    SELECT cur.i, cur.id, p.a_e, s.started_at,
-        CASE
-            WHEN (p.a_e, e.k) > (cur.attempt_count, p.rank) THEN
-                CASE WHEN p.a_e > 2147483647 THEN 'conflict'
-                     WHEN e.k = 2 AND s.started_at IS NULL THEN 'not_started'
-                     ELSE 'applied' END
-            WHEN (p.a_e, e.k) = (cur.attempt_count, p.rank) THEN
-                CASE WHEN e.k < 2 THEN 'replay'
-                     WHEN cur.status = e.target
-                          AND cur.output IS NOT DISTINCT FROM e.output
-                          AND cur.external_output_url IS NOT DISTINCT FROM e.url
-                          AND cur.error_code IS NOT DISTINCT FROM e.error_code
-                          AND cur.error_message IS NOT DISTINCT FROM e.error_message
-                     THEN 'replay'
-                     ELSE 'conflict' END
-            WHEN p.a_e = cur.attempt_count THEN 'replay'
-            ELSE 'stale_attempt'
-        END AS outcome
-    FROM cur JOIN e ON e.i = cur.i,
-        LATERAL (SELECT
-            CASE WHEN e.k = 0 THEN cur.attempt_count
-                 WHEN e.attempt IS NOT NULL THEN e.attempt
-                 WHEN e.k = 1 THEN cur.attempt_count::bigint + (cur.status <> 'pending')::int
-                 ELSE cur.attempt_count END AS a_e,
-            CASE cur.status WHEN 'pending' THEN 0 WHEN 'running' THEN 1 ELSE 2 END AS rank
-        ) p,
-        LATERAL (SELECT COALESCE(
-            e.started_at,
-            CASE WHEN e.k = 1 THEN e.now
-                 WHEN p.a_e = cur.attempt_count AND cur.status = 'running' THEN cur.started_at
-            END) AS started_at
-        ) s
-),
-upd AS (
-    UPDATE workflow_step_record r SET
-        status = e.target,
-        attempt_count = d.a_e,
-        started_at = d.started_at,
-        completed_at = CASE WHEN e.k = 2
-                            THEN COALESCE(e.completed_at, GREATEST(e.now, d.started_at)) END,
-        output = e.output,
-        external_output_url = e.url,
-        error_code = e.error_code,
-        error_message = e.error_message,
-        lease_expires_at = e.lease_expires_at,
-        updated_at = e.now
-    FROM dec d JOIN e ON e.i = d.i
-    WHERE r.id = d.id AND d.outcome = 'applied'
-    RETURNING d.i, r.*
-),
-fresh AS (
-    SELECT e.i, e.instance_key, e.ordinal,
-           count(*) FILTER (WHERE e.ordinal IS NULL)
-               OVER (PARTITION BY e.instance_key ORDER BY e.i) AS s
-    FROM e
-    WHERE e.can_create AND NOT EXISTS (SELECT 1 FROM cur WHERE cur.i = e.i)
-),
-spans AS (
-    SELECT f.*,
-           max(f.ordinal + 1 - f.s) OVER (PARTITION BY f.instance_key ORDER BY f.i) AS a,
-           max(f.ordinal + 1 - f.s) OVER (PARTITION BY f.instance_key) AS a_total,
-           count(*) FILTER (WHERE f.ordinal IS NULL)
-               OVER (PARTITION BY f.instance_key) AS s_total
-    FROM fresh f
-),
-locked AS (
-    SELECT p.id, p.instance_key, p.next_ordinal AS base FROM process_instance p
-    WHERE p.instance_key IN (SELECT instance_key FROM spans)
-    ORDER BY p.id
-    FOR UPDATE
-),
-assigned AS (
-    SELECT sp.i, sp.instance_key, l.id AS locked_id,
-           COALESCE(sp.ordinal, sp.s + GREATEST(COALESCE(l.base, 0), sp.a) - 1) AS ordinal,
-           sp.s_total + GREATEST(COALESCE(l.base, 0), sp.a_total) AS next_ordinal
-    FROM spans sp LEFT JOIN locked l ON l.instance_key = sp.instance_key
-),
-bump AS (
-    UPDATE process_instance p SET next_ordinal = x.next_ordinal
-    FROM (SELECT DISTINCT locked_id, next_ordinal FROM assigned
-          WHERE locked_id IS NOT NULL) x
-    WHERE p.id = x.locked_id
-    RETURNING p.id
-),
-new_instance AS (
-    INSERT INTO process_instance (instance_key, next_ordinal)
-    SELECT a.instance_key, max(a.next_ordinal) FROM assigned a
-    WHERE NOT EXISTS (SELECT 1 FROM known WHERE known.instance_key = a.instance_key)
-    GROUP BY a.instance_key
-    ON CONFLICT ON CONSTRAINT uq_process_instance_instance_key DO NOTHING
-    RETURNING id, instance_key
-),
-inst AS (
-    SELECT id, instance_key FROM new_instance
-    UNION ALL
-    SELECT id, instance_key FROM known
-),
-ins AS (
-    INSERT INTO workflow_step_record AS r (
-        instance_id, step_slug, ordinal, status, attempt_count, output, external_output_url,
-        started_at, completed_at, error_code, error_message, lease_expires_at, created_at,
-        updated_at)
-    SELECT inst.id, e.step_slug, a.ordinal, e.target,
-           CASE WHEN e.k = 0 THEN 1 ELSE COALESCE(e.attempt, 1) END,
-           e.output, e.url,
-           CASE WHEN e.k > 0 THEN COALESCE(e.started_at, e.now) END,
-           CASE WHEN e.k = 2 THEN COALESCE(e.completed_at, GREATEST(e.now, e.started_at)) END,
-           e.error_code, e.error_message, e.lease_expires_at, e.now, e.now
-    FROM assigned a
-    JOIN e ON e.i = a.i
-    JOIN inst ON inst.instance_key = a.instance_key
-    WHERE a.ordinal <= 2147483647
-    RETURNING r.*
+# The merge is a function in the database (migration 0005, which holds its SQL and says how it
+# judges): PostgreSQL plans it once per connection, through any pooler, where the statement it
+# runs cost twice its execution time to plan on every call. It takes $1 the events' indexes,
+# then one array per field of `PARAMS`, in order, and answers one row per event (index,
+# outcome, record) with events of distinct steps applied in one statement, each judged as if
+# alone. It runs on a raw cursor: the text is sent as is, never parsed for placeholders.
+APPLY_EVENTS = (
+    "SELECT * FROM steprecord_apply_events($1::int[], $2::text[], $3::text[], $4::text[],"
+    " $5::bigint[], $6::timestamptz[], $7::timestamptz[], $8::text[], $9::text[], $10::text[],"
+    " $11::text[], $12::bigint[], $13::int[])"
 )
-SELECT e.i, 'created' AS outcome, {RECORD.format(r="ins")}
-FROM ins JOIN inst ON inst.id = ins.instance_id
-JOIN e ON e.instance_key = inst.instance_key AND e.step_slug = ins.step_slug
-UNION ALL
-SELECT upd.i, 'applied', {RECORD.format(r="upd")} FROM upd
-UNION ALL
-SELECT d.i, d.outcome, {RECORD.format(r="cur")} FROM dec d JOIN cur ON cur.i = d.i
-WHERE d.outcome <> 'applied'
-UNION ALL
-SELECT e.i, 'not_started', {NO_RECORD} FROM e
-WHERE NOT e.can_create AND NOT EXISTS (SELECT 1 FROM cur WHERE cur.i = e.i)
-UNION ALL
-SELECT a.i, 'ordinal_taken', {NO_RECORD} FROM assigned a WHERE a.ordinal > 2147483647
-"""
 
 # An event with no row in the answer lost a race with a concurrent creator of its instance (the
 # statement's snapshot could not see the new row); a collision on the step's unique key (a
@@ -275,44 +114,12 @@ PARAMS = (
 )
 
 # A heartbeat extends the lease of the running attempt it names, under the record's row lock;
-# it never changes status, times or attempt_count. Parameters: the events' indexes, then one
-# array per field of `HEARTBEAT_PARAMS`.
-HEARTBEAT = f"""
-WITH e AS MATERIALIZED (
-    SELECT x.*, clock_timestamp() AS now
-    FROM unnest($1::int[], $2::text[], $3::text[], $4::bigint[], $5::int[])
-        AS x(i, instance_key, step_slug, attempt, lease_seconds)
-),
-cur AS (
-    SELECT e.i, r.* FROM e
-    JOIN process_instance p ON p.instance_key = e.instance_key
-    JOIN workflow_step_record r ON r.instance_id = p.id AND r.step_slug = e.step_slug
-    ORDER BY r.id
-    FOR UPDATE OF r
-),
-dec AS (
-    SELECT cur.i, cur.id,
-        CASE WHEN e.attempt < cur.attempt_count THEN 'stale_attempt'
-             WHEN cur.status = 'pending' THEN 'not_started'
-             WHEN e.attempt > cur.attempt_count OR cur.status <> 'running' THEN 'not_running'
-             ELSE 'applied' END AS outcome
-    FROM cur JOIN e ON e.i = cur.i
-),
-upd AS (
-    UPDATE workflow_step_record r SET
-        lease_expires_at = e.now + e.lease_seconds * interval '1 second',
-        updated_at = e.now
-    FROM dec d JOIN e ON e.i = d.i
-    WHERE r.id = d.id AND d.outcome = 'applied'
-    RETURNING d.i, r.*
+# it never changes status, times or attempt_count (a function of migration 0005, like the
+# merge). Parameters: the events' indexes, then one array per field of `HEARTBEAT_PARAMS`.
+HEARTBEAT = (
+    "SELECT * FROM steprecord_heartbeat($1::int[], $2::text[], $3::text[], $4::bigint[],"
+    " $5::int[])"
 )
-SELECT upd.i, 'applied' AS outcome, {RECORD.format(r="upd")} FROM upd
-UNION ALL
-SELECT d.i, d.outcome, {RECORD.format(r="cur")} FROM dec d JOIN cur ON cur.i = d.i
-WHERE d.outcome <> 'applied'
-UNION ALL
-SELECT e.i, 'not_started', {NO_RECORD} FROM e WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.i = e.i)
-"""
 HEARTBEAT_PARAMS = ("instance_key", "step_slug", "attempt", "lease_seconds")
 
 Outcomes = list[Result | Exception]
@@ -376,11 +183,8 @@ async def _apply_statement(
 ) -> None:
     pending = indexes
     for _ in range(MAX_TRIES):
-        # A set of events is planned for its size each time: a plan cached for one event
-        # would serve a hundred badly.
-        prepare = None if len(pending) == 1 else False
         try:
-            rows = await _run(conn, statement, _columns(events, pending, names), prepare)
+            rows = await _run(conn, statement, _columns(events, pending, names))
         except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
             continue
         except (psycopg.errors.IntegrityError, psycopg.errors.DataError) as exc:
@@ -411,10 +215,10 @@ async def _apply_statement(
 
 
 async def _run(
-    conn: AsyncConn, statement: str, params: list[list[Any]], prepare: bool | None
+    conn: AsyncConn, statement: str, params: list[list[Any]]
 ) -> list[dict[str, Any]]:
     async with psycopg.AsyncRawCursor(conn) as cur:
-        await cur.execute(statement, params, prepare=prepare)
+        await cur.execute(statement, params)
         return await cur.fetchall()
 
 
