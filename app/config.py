@@ -38,6 +38,11 @@ class Settings(BaseSettings):
     token_refresh_seconds: float = Field(default=2.0, gt=0, le=60)
     # How often the sweeper fails running attempts whose lease expired; 0 turns it off.
     sweep_seconds: float = Field(default=5.0, ge=0, le=3600)
+    # The session that LISTENs for live updates (a direct connection: not through PgBouncer in
+    # transaction mode); None means the database URL.
+    listen_url: SecretStr | None = None
+    # Seconds of silence after which an open stream sends a keepalive comment.
+    stream_heartbeat_seconds: float = Field(default=15.0, gt=0, le=3600)
 
 
 SECRET_PARAMETERS = ("password", "sslpassword")

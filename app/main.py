@@ -11,7 +11,7 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 from fastapi import FastAPI
 
-from app import docs, errors, observe, routes, schemas, sweeper
+from app import docs, errors, live, observe, routes, schemas, sweeper
 from app.access import AccessControl, Tokens
 from app.config import Settings
 from app.db import DatabaseUnavailable, Pool
@@ -67,16 +67,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             refresh=settings.token_refresh_seconds,
         )
         app.state.pool, app.state.tokens, app.state.schema_head = pool, tokens, schema_head()
+        app.state.hub, app.state.stream_heartbeat = live.Hub(), settings.stream_heartbeat_seconds
         app.state.schema_known = known_revisions()
         app.state.schema_accepted = frozenset({app.state.schema_head, *COMPATIBLE_AHEAD})
         with contextlib.suppress(DatabaseUnavailable, SchemaMissing):
             await tokens.load()
-        tasks = [asyncio.create_task(tokens.keep_loading())]
+        listen_url = settings.listen_url or settings.database_url
+        tasks = [
+            asyncio.create_task(tokens.keep_loading()),
+            asyncio.create_task(live.keep_listening(listen_url.get_secret_value(), app.state.hub)),
+        ]
         if settings.sweep_seconds > 0:
             tasks.append(asyncio.create_task(sweeper.keep_sweeping(pool, settings.sweep_seconds)))
         try:
-            yield
+            with live.closed_on_exit_signal(app.state.hub):
+                yield
         finally:
+            app.state.hub.close()
             for task in tasks:
                 task.cancel()
             await pool.close()

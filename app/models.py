@@ -1,7 +1,8 @@
 """The schema: the owner and the fact, with every invariant as a named constraint.
 
-The `BEFORE UPDATE` transition trigger lives in the migration (SQLAlchemy has no model for
-triggers); everything else here is compared against the migrations by a test.
+The triggers (transitions, history, live-update notifications) live in the migrations
+(SQLAlchemy has no model for triggers); everything else here is compared against the
+migrations by a test.
 """
 
 from datetime import datetime
@@ -24,6 +25,8 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql.base import ischema_names
+from sqlalchemy.types import UserDefinedType
 from sqlmodel import Field, SQLModel
 
 # Must be assigned before any table is defined: the convention is applied at definition time.
@@ -45,6 +48,18 @@ MAX_OUTPUT_BYTES = 1024 * 1024
 MAX_MESSAGE_BYTES = 65536
 MAX_URL_CHARS = 2048
 MAX_INT4 = 2147483647
+
+
+class XID8(UserDefinedType[str]):
+    """PostgreSQL's 64-bit transaction id (`xid8`), which SQLAlchemy does not know."""
+
+    cache_ok = True
+
+    def get_col_spec(self, **kw: object) -> str:
+        return "XID8"
+
+
+ischema_names["xid8"] = XID8  # so that reflecting the database finds the same type
 
 
 def _outcome_checks() -> list[CheckConstraint]:
@@ -100,6 +115,7 @@ class WorkflowStepRecord(SQLModel, table=True):
         UniqueConstraint("instance_id", "id"),
         Index(None, "instance_id", "started_at", "id"),
         Index(None, "status", "updated_at", "id"),
+        Index(None, "instance_id", "changed_xid", "id"),
         Index(
             "ix_workflow_step_record_leased_updated_at_id",
             "updated_at",
@@ -166,6 +182,9 @@ class WorkflowStepRecord(SQLModel, table=True):
     lease_expires_at: datetime | None = Field(
         default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
     )
+    # The transaction that last wrote the record, set by a trigger (see the migration): a
+    # stream's position. Not part of the record's JSON.
+    changed_xid: str | None = Field(default=None, sa_column=Column(XID8, nullable=False))
 
 
 def _content_checks(states: dict[str, str]) -> list[CheckConstraint]:

@@ -41,6 +41,11 @@ POOL = Gauge(
     ["state"],
     multiprocess_mode="livesum",
 )
+STREAMS_OPEN = Gauge(
+    "steprecord_streams_open",
+    "Live-update streams open.",
+    multiprocess_mode="livesum",
+)
 OUTCOMES = frozenset({"created", "applied", "replay", "conflict", "stale_attempt", "swept"})
 
 request_id: ContextVar[str] = ContextVar("request_id", default="-")

@@ -4,13 +4,13 @@ import json
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Header, Path, Query, Request
 from fastapi.dependencies.models import Dependant
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import AwareDatetime
 
-from app import cursors, observe, schemas, steps
+from app import cursors, live, observe, schemas, steps
 from app.db import Pool
 from app.errors import Problem, to_problem, validation_problem
 from app.events import BODIES, KINDS, parse_batch_event, parse_envelope, parse_event
@@ -343,6 +343,44 @@ async def list_attempts(
     async with _pool(request).connection() as conn:
         page = await steps.list_attempts(conn, instance_key, step_slug, after=after, limit=limit)
     return _page(page, lambda a: attempt_json(a, fields == "summary"), cursors.attempts_cursor)
+
+
+@router.get(
+    "/v1/instances/{instance_key}/stream",
+    tags=["reads"],
+    summary="Live updates of an instance's records (Server-Sent Events)",
+    response_class=Response,
+    responses=schemas.stream_responses(),
+)
+async def stream_instance(
+    request: Request,
+    instance_key: InstanceKey,
+    last_event_id: Annotated[
+        str | None,
+        Query(description="Resume after this event id, for clients that cannot set headers"),
+    ] = None,
+    last_event_id_header: Annotated[
+        str | None,
+        Header(
+            alias="Last-Event-ID",
+            description="Resume after this event id (EventSource sends it when it reconnects)",
+        ),
+    ] = None,
+) -> Response:
+    # The header wins: EventSource reconnects to the same URL with a newer id in the header.
+    if last_event_id_header is not None:
+        after = live.parse_event_id(last_event_id_header, "Last-Event-ID")
+    elif last_event_id is not None:
+        after = live.parse_event_id(last_event_id, "last_event_id")
+    else:
+        after = (0, 0)
+    pool = _pool(request)
+    async with pool.connection() as conn:
+        first = await steps.stream_changes(conn, instance_key, after)
+    state = request.app.state
+    return live.EventStream(
+        live.events(pool, state.hub, instance_key, first, state.stream_heartbeat)
+    )
 
 
 @router.get(

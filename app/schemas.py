@@ -126,6 +126,26 @@ def read_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     }
 
 
+def stream_responses() -> dict[int | str, dict[str, Any]]:
+    return {
+        200: {
+            "content": {
+                "text/event-stream": {
+                    "schema": {
+                        "type": "string",
+                        "description": "`event: record`, `id: <event id>`, `data: <a record"
+                        " as GET .../steps/{step_slug} renders it>`; `: keepalive` comments",
+                    }
+                }
+            },
+            "description": "Every record as it stands, then one event per applied write",
+        },
+        404: _problem("Instance not found"),
+        422: _problem("Invalid request (a garbled event id)"),
+        503: _problem("Database unavailable"),
+    }
+
+
 def request_body(model: type[BaseModel], *, required: bool) -> dict[str, Any]:
     # The body is named among the definitions it uses, so `hoist_defs` makes it a component.
     schema = model.model_json_schema()

@@ -648,6 +648,103 @@ async def list_recent(
     return Page(rows, None)
 
 
+# --- live updates ---------------------------------------------------------------------
+
+# The channel the record's triggers notify on commit, with the instance's id as payload.
+CHANNEL = "steprecord_changes"
+STREAM_PAGE = 500
+
+# A stream's read: the records of an instance after a position `(changed_xid, id)`, in that
+# order, but only those written by transactions below the horizon, before which every
+# transaction that could write this database has ended, so no record can still appear there
+# later. The horizon is the oldest transaction still running at this very statement's snapshot,
+# skipping those that the activity view shows working in another database (a cluster's other
+# databases never write here; one that already ended by the time the view is read counts as
+# ours, to be safe), or the snapshot's xmax when none is left. The activity view is read only
+# when some transaction is running, and then once. The position after a read is
+# (horizon, 0), so a change is never sent twice and never skipped. `behind` says whether a
+# visible record at or above the horizon waits for an older transaction still in flight; the
+# stream then reads again shortly.
+STREAM_CHANGES = f"""
+WITH now AS MATERIALIZED (SELECT pg_current_snapshot() AS snapshot),
+elsewhere AS MATERIALIZED (
+    SELECT a.backend_xid FROM pg_stat_activity a
+    WHERE a.backend_xid IS NOT NULL AND a.datname <> current_database()
+),
+w AS MATERIALIZED (
+    SELECT least(pg_snapshot_xmax(now.snapshot), (
+        SELECT x FROM pg_snapshot_xip(now.snapshot) AS x
+        WHERE x::xid NOT IN (SELECT backend_xid FROM elsewhere)
+        ORDER BY x LIMIT 1)) AS horizon
+    FROM now
+)
+SELECT p.id AS instance_id, w.horizon::text AS horizon,
+       EXISTS (SELECT FROM workflow_step_record l
+               WHERE l.instance_id = p.id AND l.changed_xid >= w.horizon) AS behind,
+       s.*
+FROM process_instance p CROSS JOIN w
+LEFT JOIN LATERAL (
+    SELECT r.changed_xid::text AS changed_xid, {RECORD.format(r="r")}
+    FROM workflow_step_record r
+    WHERE r.instance_id = p.id
+      AND (r.changed_xid, r.id) > (%(after_xid)s::text::xid8, %(after_id)s::bigint)
+      AND r.changed_xid < w.horizon
+    ORDER BY r.changed_xid, r.id
+    LIMIT %(limit)s
+) s ON true
+WHERE p.instance_key = %(instance_key)s
+"""
+
+Position = tuple[int, int]  # (changed_xid, id) of the last change sent
+
+
+@dataclass(frozen=True, slots=True)
+class Changes:
+    instance_id: int
+    records: list[dict[str, Any]]  # each with its `changed_xid` (an int)
+    position: Position  # where the next read starts
+    more: bool  # a full page: read on at once
+    behind: bool  # a committed change waits for an older transaction: read again shortly
+
+
+async def stream_changes(
+    conn: AsyncConn, instance_key: str, after: Position, limit: int = STREAM_PAGE
+) -> Changes:
+    """The instance's records changed after `after`, up to the horizon (see above)."""
+    params = {
+        "instance_key": instance_key,
+        "after_xid": str(after[0]),
+        "after_id": after[1],
+        "limit": limit,
+    }
+    cur = await conn.execute(STREAM_CHANGES, params)
+    rows = await cur.fetchall()
+    if not rows:
+        raise InstanceNotFound(instance_key)
+    instance_id, horizon, behind = rows[0]["instance_id"], rows[0]["horizon"], rows[0]["behind"]
+    records = []
+    for row in rows:
+        if row["id"] is None:
+            continue
+        for key in ("instance_id", "horizon", "behind"):
+            del row[key]
+        row["changed_xid"] = int(row["changed_xid"])
+        records.append(_record(row, instance_key))
+    if len(records) == limit:
+        last = records[-1]
+        return Changes(instance_id, records, (last["changed_xid"], last["id"]), True, True)
+    position = max(after, (int(horizon), 0))
+    return Changes(instance_id, records, position, False, behind)
+
+
+async def listen(conn: psycopg.AsyncConnection[Any]) -> None:
+    await conn.execute(f"LISTEN {CHANNEL}")
+
+
+async def ping(conn: psycopg.AsyncConnection[Any]) -> None:
+    await conn.execute("SELECT 1")
+
+
 # The sweeper: fail every running attempt whose lease expired, as a `fail` event of that attempt
 # would (error `lease_expired`, `completed_at` = the expiry), in one statement. SKIP LOCKED
 # lets several sweepers (workers, service instances) run at once without ever writing the same

@@ -197,14 +197,18 @@ def pgbouncer(database_url: str) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def server_url(database_url: str) -> Iterator[str]:
-    """The shared server; through PgBouncer with two workers when STEPRECORD_TEST_PGBOUNCER=1."""
+    """The shared server; through PgBouncer with two workers when STEPRECORD_TEST_PGBOUNCER=1
+    (its live-update listener then connects directly)."""
     with ExitStack() as stack:
         url = database_url
         extra: tuple[str, ...] = ()
+        # A quick sweeper, so lease tests wait about a second, not five; frequent keepalives,
+        # so stream readers notice soon that they may stop.
+        env = {"STEPRECORD_SWEEP_SECONDS": "0.2", "STEPRECORD_STREAM_HEARTBEAT_SECONDS": "0.3"}
         if os.environ.get("STEPRECORD_TEST_PGBOUNCER") == "1":
             url, extra = stack.enter_context(pgbouncer(database_url)), ("--workers", "2")
-        # A quick sweeper, so lease tests wait about a second, not five.
-        base, proc = start_server(url, *extra, env={"STEPRECORD_SWEEP_SECONDS": "0.2"})
+            env["STEPRECORD_LISTEN_URL"] = database_url  # LISTEN needs a session of its own
+        base, proc = start_server(url, *extra, env=env)
         try:
             yield base
         finally:

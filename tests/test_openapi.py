@@ -12,7 +12,11 @@ from hypothesis import HealthCheck, settings
 from app.cli import openapi_json
 
 DOCUMENT = Path(__file__).resolve().parent.parent / "openapi" / "openapi.json"
-schema = schemathesis.openapi.from_path(str(DOCUMENT))
+# A stream never ends by itself, so a generated call would wait forever on an instance that
+# exists; its answers are checked in tests/test_stream.py.
+schema = schemathesis.openapi.from_path(str(DOCUMENT)).exclude(
+    path="/v1/instances/{instance_key}/stream"
+)
 
 CHECKS = [
     schemathesis.checks.not_a_server_error,

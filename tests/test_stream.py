@@ -1,0 +1,514 @@
+"""Live updates (README, "Live updates"): the stream of an instance's records over real
+servers, resumption by event id, several workers and service instances, and the database's
+part (the notification on commit, the transaction id of each write)."""
+
+import contextlib
+import json
+import queue
+import re
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from app.access import new_token
+from tests.conftest import migrated_database, start_server, stop
+from tests.helpers import T1, T2, T3, post, problem, step_path
+
+WAIT = 10.0  # the longest any expected event may take here (the promise is a second)
+KEEPALIVE = ": keepalive"
+
+
+@dataclass(frozen=True)
+class Event:
+    id: str
+    data: str
+
+    @property
+    def record(self) -> Any:
+        return json.loads(self.data)
+
+
+class Stream:
+    """An SSE stream read on a thread of its own: records and keepalives land in a queue.
+
+    `close()` closes the connection under the reader, so it ends even between keepalives.
+    """
+
+    def __init__(self, url: str, headers: dict[str, str] | None = None, **params: str) -> None:
+        self.items: queue.Queue[Event | str | BaseException] = queue.Queue()
+        self.response_headers: httpx.Headers | None = None
+        self._response: httpx.Response | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._read, args=(url, headers or {}, params), daemon=True
+        )
+        self._thread.start()
+        assert self._ready.wait(WAIT), "the stream did not open"
+
+    def _read(self, url: str, headers: dict[str, str], params: dict[str, str]) -> None:
+        try:
+            timeout = httpx.Timeout(WAIT)
+            with (
+                httpx.Client(timeout=timeout) as client,
+                client.stream("GET", url, headers=headers, params=params) as response,
+            ):
+                assert response.status_code == 200, response.read()
+                self.response_headers, self._response = response.headers, response
+                self._ready.set()
+                fields: dict[str, str] = {}
+                for line in response.iter_lines():
+                    if self._stop.is_set():
+                        return
+                    if line.startswith(":"):
+                        self.items.put(line)
+                    elif line:
+                        name, _, value = line.partition(": ")
+                        fields[name] = value
+                    elif fields:
+                        assert fields.pop("event") == "record", fields
+                        self.items.put(Event(fields.pop("id"), fields.pop("data")))
+                        assert not fields, fields
+        except BaseException as exc:
+            self.items.put(exc)
+        finally:
+            self._ready.set()
+
+    def next_item(self, timeout: float = WAIT) -> Event | str:
+        item = self.items.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def next_event(self, timeout: float = WAIT) -> Event:
+        """The next record event, skipping keepalives."""
+        deadline = time.monotonic() + timeout
+        while True:
+            item = self.next_item(max(deadline - time.monotonic(), 0.01))
+            if isinstance(item, Event):
+                return item
+
+    def events(self, count: int) -> list[Event]:
+        return [self.next_event() for _ in range(count)]
+
+    def quiet(self, keepalives: int = 2) -> None:
+        """No record arrives before `keepalives` keepalives do (nothing else is pending)."""
+        for _ in range(keepalives):
+            item = self.next_item()
+            assert item == KEEPALIVE, f"unexpected {item}"
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._response is not None and self._thread.is_alive():
+            # Wakes the reader blocked in recv(): closing the response would wait for it.
+            connection = self._response.extensions["network_stream"].get_extra_info("socket")
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+        self._thread.join(WAIT)
+        assert not self._thread.is_alive()
+
+
+@pytest.fixture
+def open_stream(server_url: str) -> Iterator[Callable[..., Stream]]:
+    """Opens streams on the shared server; every one is closed after the test."""
+    opened: list[Stream] = []
+
+    def open_(instance: str = "order-1", **kwargs: Any) -> Stream:
+        stream = Stream(f"{server_url}/v1/instances/{instance}/stream", **kwargs)
+        opened.append(stream)
+        return stream
+
+    yield open_
+    for stream in opened:
+        stream.close()
+
+
+def as_read(client: httpx.Client, instance: str, step: str) -> str:
+    response = client.get(step_path(instance, step))
+    assert response.status_code == 200
+    return response.text
+
+
+def test_a_stream_sends_every_record_then_each_applied_write(
+    client: httpx.Client, open_stream: Callable[..., Stream]
+) -> None:
+    post(client, "start", {"attempt": 1, "started_at": T1}, step="fetch")
+    post(client, "declare", step="charge")
+    stream = open_stream()
+    assert stream.response_headers is not None
+    assert stream.response_headers["content-type"].startswith("text/event-stream")
+    assert stream.response_headers["cache-control"] == "no-cache"
+    assert stream.response_headers["x-accel-buffering"] == "no"
+    snapshot = stream.events(2)
+    assert {e.record["step_slug"] for e in snapshot} == {"fetch", "charge"}
+    for event in snapshot:  # exactly as the step's own read renders it
+        assert event.data == as_read(client, "order-1", event.record["step_slug"])
+
+    post(client, "complete", {"attempt": 1, "output": {"rows": 3}}, step="fetch")
+    post(client, "start", {"attempt": 1, "started_at": T2}, step="charge")
+    post(client, "fail", {"attempt": 1, "error_code": "CardDeclined"}, step="charge")
+    post(client, "start", {"attempt": 2, "started_at": T3}, step="charge")
+    live = stream.events(4)
+    assert [(e.record["step_slug"], e.record["status"]) for e in live] == [
+        ("fetch", "completed"),
+        ("charge", "running"),
+        ("charge", "failed"),
+        ("charge", "running"),
+    ]
+    assert live[0].record["output"] == {"rows": 3}
+    assert live[3].data == as_read(client, "order-1", "charge")
+    assert len({e.id for e in snapshot + live}) == 6
+    stream.quiet()
+
+
+def test_a_replay_or_a_refused_event_sends_nothing(
+    client: httpx.Client, open_stream: Callable[..., Stream]
+) -> None:
+    post(client, "start", {"attempt": 2, "started_at": T1})
+    stream = open_stream()
+    stream.next_event()
+    post(client, "start", {"attempt": 2, "started_at": T1})  # replay
+    post(client, "declare")  # late declare: unchanged
+    problem(post(client, "start", {"attempt": 1}), 409, "stale_attempt")
+    problem(post(client, "complete", {"attempt": 2}, step="never"), 409, "not_started")
+    problem(post(client, "start", {"attempt": 0}), 422, "validation_error")
+    post(client, "complete", {"attempt": 2, "output": 1})
+    event = stream.next_event()  # the first event after the refusals is the applied write
+    assert (event.record["status"], event.record["output"]) == ("completed", 1)
+    problem(post(client, "complete", {"attempt": 2, "output": 2}), 409, "conflict")
+    post(client, "complete", {"attempt": 2, "output": 1})  # replay
+    stream.quiet()
+
+
+def test_writes_to_other_instances_are_not_sent(
+    client: httpx.Client, open_stream: Callable[..., Stream]
+) -> None:
+    post(client, "declare", instance="order-1")
+    stream = open_stream("order-1")
+    stream.next_event()
+    post(client, "declare", instance="order-2")
+    post(client, "start", instance="order-1")
+    assert stream.next_event().record["instance_key"] == "order-1"
+
+
+def test_resuming_sends_exactly_the_changes_missed(
+    client: httpx.Client, open_stream: Callable[..., Stream]
+) -> None:
+    for step in ("a", "b", "c"):
+        post(client, "declare", step=step)
+    first = open_stream()
+    seen = first.events(3)
+    post(client, "start", {"attempt": 1}, step="b")
+    seen.append(first.next_event())
+    first.close()
+
+    post(client, "start", {"attempt": 1}, step="a")
+    post(client, "complete", {"attempt": 1}, step="b")
+    post(client, "declare", step="d")
+
+    for resume in ({"headers": {"Last-Event-ID": seen[-1].id}}, {"last_event_id": seen[-1].id}):
+        again = open_stream(**resume)
+        missed = again.events(3)
+        assert [(e.record["step_slug"], e.record["status"]) for e in missed] == [
+            ("a", "running"),
+            ("b", "completed"),
+            ("d", "pending"),
+        ]
+        again.quiet()
+        again.close()
+
+    # A resumed stream goes on live from there.
+    again = open_stream(headers={"Last-Event-ID": missed[-1].id})
+    post(client, "start", {"attempt": 1}, step="c")
+    assert again.next_event().record["step_slug"] == "c"
+    again.quiet()
+
+
+def test_the_header_wins_over_the_query_parameter(
+    client: httpx.Client, open_stream: Callable[..., Stream]
+) -> None:
+    """EventSource reconnects to the URL it was given, with the newest id in the header."""
+    post(client, "declare", step="a")
+    old = open_stream().next_event().id
+    post(client, "declare", step="b")
+    newer = open_stream(headers={"Last-Event-ID": old}).next_event()
+    post(client, "declare", step="c")
+    resumed = open_stream(headers={"Last-Event-ID": newer.id}, last_event_id=old)
+    assert resumed.next_event().record["step_slug"] == "c"
+    resumed.quiet()
+
+
+def test_a_write_overwritten_before_the_stream_reads_it_is_sent_once_in_its_latest_state(
+    client: httpx.Client, open_stream: Callable[..., Stream]
+) -> None:
+    post(client, "declare", step="a")
+    stream = open_stream()
+    last = stream.next_event().id
+    stream.close()
+    post(client, "start", {"attempt": 1}, step="a")
+    post(client, "complete", {"attempt": 1, "output": "done"}, step="a")
+    resumed = open_stream(headers={"Last-Event-ID": last})
+    assert resumed.next_event().record["output"] == "done"
+    resumed.quiet()
+
+
+@pytest.mark.parametrize(
+    "garbled",
+    [
+        "x",
+        "12",
+        "12-",
+        "-3",
+        "1-2-3",
+        "1.5-2",
+        "99999999999999999999999-1",
+        "1-9223372036854775808",
+    ],
+)
+def test_a_garbled_event_id_is_a_422(client: httpx.Client, garbled: str) -> None:
+    post(client, "declare")
+    path = "/v1/instances/order-1/stream"
+    problem(client.get(path, headers={"Last-Event-ID": garbled}), 422, "validation_error")
+    body = problem(client.get(path, params={"last_event_id": garbled}), 422, "validation_error")
+    assert body["errors"][0]["field"] == "last_event_id"
+
+
+def test_an_unknown_instance_is_a_404(client: httpx.Client) -> None:
+    problem(client.get("/v1/instances/nobody/stream"), 404, "instance_not_found")
+
+
+def test_an_unknown_query_parameter_is_refused(client: httpx.Client) -> None:
+    post(client, "declare")
+    problem(client.get("/v1/instances/order-1/stream?lastEventId=1-1"), 422, "validation_error")
+
+
+def test_an_idle_stream_sends_keepalive_comments(
+    client: httpx.Client, open_stream: Callable[..., Stream]
+) -> None:
+    post(client, "declare")
+    stream = open_stream()
+    stream.next_event()
+    stream.quiet(keepalives=3)
+
+
+def streams_open(client: httpx.Client) -> float:
+    found = re.search(r"^steprecord_streams_open (\S+)$", client.get("/metrics").text, re.M)
+    assert found is not None
+    return float(found[1])
+
+
+def eventually(check: Callable[[], bool], seconds: float = WAIT) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "did not happen in time"
+        time.sleep(0.05)
+
+
+def test_a_client_that_goes_away_is_unsubscribed_and_the_server_serves_on(
+    client: httpx.Client, open_stream: Callable[..., Stream]
+) -> None:
+    post(client, "declare")
+    eventually(lambda: streams_open(client) == 0)
+    streams = [open_stream() for _ in range(3)]
+    for stream in streams:
+        stream.next_event()
+    eventually(lambda: streams_open(client) == 3)
+    for stream in streams:
+        stream.close()
+    eventually(lambda: streams_open(client) == 0)
+    post(client, "start")
+    assert open_stream().next_event().record["status"] == "running"
+
+
+def test_lease_heartbeats_and_the_sweeper_are_streamed(
+    client: httpx.Client, open_stream: Callable[..., Stream]
+) -> None:
+    post(client, "start", {"attempt": 1, "lease_seconds": 1})
+    stream = open_stream()
+    started = stream.next_event().record
+    beat = post(client, "heartbeat", {"attempt": 1, "lease_seconds": 1}).json()
+    event = stream.next_event().record
+    assert event == beat
+    assert event["lease_expires_at"] > started["lease_expires_at"]
+    swept = stream.next_event(timeout=WAIT).record  # the sweeper runs every 0.2 s here
+    assert (swept["status"], swept["error_code"]) == ("failed", "lease_expired")
+
+
+# --- across workers and service instances ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_services(server_dsn: str) -> Iterator[tuple[str, str]]:
+    """Two service instances on one database of their own: the first with two workers.
+
+    Keepalives (each followed by a read) come only every minute here, so events arrive by
+    notification or not at all within the tests' waits."""
+    env = {"STEPRECORD_STREAM_HEARTBEAT_SECONDS": "60"}
+    with migrated_database(server_dsn, "steprecord_stream_") as url:
+        first, first_proc = start_server(url, "--workers", "2", env=env)
+        try:
+            second, second_proc = start_server(url, env=env)
+            try:
+                yield first, second
+            finally:
+                stop(second_proc)
+        finally:
+            stop(first_proc)
+
+
+def test_a_write_taken_by_one_worker_or_service_is_streamed_by_every_other(
+    two_services: tuple[str, str],
+) -> None:
+    first, second = two_services
+    instance = "across-workers"
+    streams: list[Stream] = []
+    try:
+        with httpx.Client(base_url=first, timeout=WAIT) as writer:
+            post(writer, "declare", instance=instance, step="s0")
+            # Several streams on the service with two workers: some land on each worker.
+            for base in (first, first, first, first, second, second):
+                streams.append(Stream(f"{base}/v1/instances/{instance}/stream"))
+            for stream in streams:
+                assert stream.next_event().record["step_slug"] == "s0"
+            for i, base in enumerate((first, second, first, second), start=1):
+                with httpx.Client(base_url=base, timeout=WAIT) as other:
+                    post(other, "declare", instance=instance, step=f"s{i}")
+            for stream in streams:
+                got = [e.record["step_slug"] for e in stream.events(4)]
+                assert got == ["s1", "s2", "s3", "s4"]
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+def test_streams_open_on_two_workers_are_all_counted_and_all_released(
+    two_services: tuple[str, str],
+) -> None:
+    first, _ = two_services
+    with httpx.Client(base_url=first, timeout=WAIT) as client:
+        post(client, "declare", instance="counted")
+        streams = [Stream(f"{first}/v1/instances/counted/stream") for _ in range(4)]
+        try:
+            for stream in streams:
+                stream.next_event()
+            eventually(lambda: streams_open(client) == 4)
+        finally:
+            for stream in streams:
+                stream.close()
+        eventually(lambda: streams_open(client) == 0)
+
+
+def test_sigterm_ends_open_streams_and_the_server_exits(server_dsn: str) -> None:
+    """A stream never ends by itself: shutdown ends it rather than wait for it."""
+    with migrated_database(server_dsn, "steprecord_stream_stop_") as url:
+        base, proc = start_server(url, env={"STEPRECORD_STREAM_HEARTBEAT_SECONDS": "0.3"})
+        try:
+            httpx.post(f"{base}/v1/instances/stopping/steps/a/declare", timeout=WAIT)
+            stream = Stream(f"{base}/v1/instances/stopping/stream")
+            stream.next_event()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(WAIT) == 0  # well before uvicorn's 30 s graceful timeout
+            stream.close()
+        finally:
+            stop(proc)
+
+
+def test_a_stream_needs_a_read_token_once_tokens_exist(server_dsn: str) -> None:
+    with migrated_database(server_dsn, "steprecord_stream_auth_") as url:
+        token, digest = new_token()
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO api_token (name, scope, token_sha256) VALUES ('r', 'read', %s)",
+                (digest,),
+            )
+        base, proc = start_server(url, env={"STEPRECORD_STREAM_HEARTBEAT_SECONDS": "0.3"})
+        try:
+            path = f"{base}/v1/instances/x/stream"
+            response = httpx.get(path, timeout=WAIT)
+            problem(response, 401, "unauthorized")
+            assert response.headers["www-authenticate"].startswith("Bearer")
+            authorized = {"Authorization": f"Bearer {token}"}
+            problem(httpx.get(path, headers=authorized, timeout=WAIT), 404, "instance_not_found")
+        finally:
+            stop(proc)
+
+
+# --- the database's part ------------------------------------------------------------------
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+
+def new_instance(conn: Conn, key: str) -> int:
+    row = conn.execute(
+        "INSERT INTO process_instance (instance_key) VALUES (%s) RETURNING id", (key,)
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def declare(conn: Conn, instance_id: int, slug: str, ordinal: int = 0) -> None:
+    conn.execute(
+        "INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status,"
+        " attempt_count) VALUES (%s, %s, %s, 'pending', 1)",
+        (instance_id, slug, ordinal),
+    )
+
+
+def test_the_notification_is_sent_on_commit_only(database_url: str) -> None:
+    with (
+        psycopg.connect(database_url, autocommit=True) as listener,
+        psycopg.connect(database_url) as writer,
+    ):
+        listener.execute("LISTEN steprecord_changes")
+        declare(writer, new_instance(writer, "rolled-back"), "a")
+        writer.rollback()
+        committed = new_instance(writer, "committed")
+        declare(writer, committed, "a")
+        declare(writer, committed, "b", 1)
+        writer.execute("UPDATE workflow_step_record SET updated_at = now()")
+        writer.commit()
+        # Delivered in commit order: a notification of the rolled-back write would come first.
+        got = [n.payload for n in listener.notifies(timeout=WAIT, stop_after=1)]
+        assert got == [str(committed)]
+        assert [n.payload for n in listener.notifies(timeout=0.3)] == []  # one per transaction
+
+
+def test_the_database_sets_changed_xid_on_every_write_even_by_hand(db: Conn) -> None:
+    instance_id = new_instance(db, "by-hand")
+    declare(db, instance_id, "a")
+    row = db.execute(
+        "SELECT changed_xid = pg_current_xact_id() FROM workflow_step_record WHERE step_slug = 'a'"
+    ).fetchone()
+    assert row == (True,)
+    db.execute("UPDATE workflow_step_record SET changed_xid = '5', updated_at = now()")
+    row = db.execute(
+        "SELECT changed_xid = pg_current_xact_id() FROM workflow_step_record WHERE step_slug = 'a'"
+    ).fetchone()
+    assert row == (True,)
+
+
+def test_a_change_committed_behind_an_older_open_transaction_is_not_lost(
+    client: httpx.Client, database_url: str, open_stream: Callable[..., Stream]
+) -> None:
+    """An older transaction that commits after a newer one: the stream waits for it instead
+    of moving past its change, and a resumed stream repeats neither."""
+    post(client, "declare", step="old")
+    stream = open_stream()
+    stream.next_event()
+    with psycopg.connect(database_url) as older:
+        older.execute("UPDATE workflow_step_record SET updated_at = now() WHERE step_slug = 'old'")
+        post(client, "declare", step="new")  # a later transaction, committed first
+        older.commit()
+    got = stream.events(2)
+    assert sorted(e.record["step_slug"] for e in got) == ["new", "old"]
+    stream.quiet()
+    resumed = open_stream(headers={"Last-Event-ID": got[-1].id})
+    resumed.quiet()
