@@ -81,7 +81,7 @@ RECORD = (
     " {r}.output::text AS output, {r}.external_output_url, {r}.started_at, {r}.completed_at,"
     " {r}.error_code, {r}.error_message, {r}.created_at, {r}.updated_at, {r}.lease_expires_at"
 )
-# The merge is a function in the database (migration 0005, which holds its SQL and says how it
+# The merge is a function in the database (migration 0006, which holds its SQL and says how it
 # judges): PostgreSQL plans it once per connection, through any pooler, where the statement it
 # runs cost twice its execution time to plan on every call. It takes $1 the events' indexes,
 # then one array per field of `PARAMS`, in order, and answers one row per event (index,
@@ -115,7 +115,7 @@ PARAMS = (
 )
 
 # A heartbeat extends the lease of the running attempt it names, under the record's row lock;
-# it never changes status, times or attempt_count (a function of migration 0005, like the
+# it never changes status, times or attempt_count (a function of migration 0006, like the
 # merge). Parameters: the events' indexes, then one array per field of `HEARTBEAT_PARAMS`.
 HEARTBEAT = (
     "SELECT * FROM steprecord_heartbeat($1::int[], $2::text[], $3::text[], $4::bigint[], $5::int[])"
