@@ -27,15 +27,15 @@ Why each statement is here:
 
 Downgrade drops both functions; the service of the revision before carries its own statement.
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0007
+Revises: 0006
 Create Date: 2026-12-03
 """
 
 from alembic import op
 
-revision = "0006"
-down_revision = "0005"
+revision = "0007"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 
