@@ -4,6 +4,10 @@ Each worker reloads the tokens every few seconds, so a check costs no database r
 and a new or revoked token takes effect on every worker within that time. Only SHA-256
 digests are held; a presented token is hashed and looked up by digest.
 
+The dashboard (README, "Dashboard") keeps a token in the cookie `steprecord_ui_token`; the
+cookie is a credential for GET and HEAD requests only and grants read scope at most, so a
+write token saved there can never write, and a request forged by another site cannot either.
+
 Without any token, a request may be anonymous only when it is direct: it reached a loopback
 address of this server (the local end of its connection, not the configured host) and
 carries no header a proxy adds. A proxy on the same machine connects over loopback for
@@ -19,13 +23,14 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app import docs, steps
+from app import docs, steps, ui
 from app.config import is_loopback
 from app.db import DatabaseUnavailable, Pool
 from app.errors import Problem, problem_response
 
 log = logging.getLogger("steprecord.access")
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json", *docs.OPEN_PATHS})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json", *docs.OPEN_PATHS, *ui.OPEN_PATHS})
+COOKIE_METHODS = frozenset({"GET", "HEAD"})
 SCOPES = ("read", "write")
 MAX_BACKOFF_SECONDS = 30.0
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -99,6 +104,14 @@ class Tokens:
                 log.exception("tokens not reloaded: unexpected error")
                 failures = min(failures + 1, 10)
 
+    def scope_of(self, token: str) -> str | None:
+        """The scope of an active token, None for an unknown one (or before the first load)."""
+        presented = digest(token)
+        grant = (self._grants or {}).get(presented)
+        if grant is None or not hmac.compare_digest(grant.digest, presented):
+            return None
+        return grant.scope
+
     def check(self, authorization: str | None, needed: str, *, direct: bool) -> Problem | None:
         """None when the request may proceed, else the problem to answer with.
 
@@ -156,17 +169,25 @@ class AccessControl:
             return
         tokens: Tokens = scope["app"].state.tokens
         authorization = None
+        cookie = None
         proxied = False
         for name, value in scope["headers"]:
             if name == b"authorization":
                 if authorization is None:
                     authorization = value.decode("latin-1")
+            elif name == b"cookie":
+                cookie = ui.token_from_cookie(value.decode("latin-1")) or cookie
             elif name in PROXY_HEADERS:
                 proxied = True
         needed = "read" if scope["method"] in READ_METHODS else "write"
+        if authorization is None and cookie is not None and scope["method"] in COOKIE_METHODS:
+            authorization = f"Bearer {cookie}"
         problem = tokens.check(authorization, needed, direct=_is_direct(scope, proxied))
         if problem is None:
             await self.app(scope, receive, send)
+            return
+        if problem.status == 401 and ui.asks_for_login(scope):
+            await ui.login_page(scope, problem.detail)(scope, receive, send)
             return
         response = problem_response(problem)
         if problem.status == 401:

@@ -12,7 +12,7 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 from fastapi import FastAPI
 
-from app import docs, errors, live, observe, replica, routes, schemas, sweeper
+from app import docs, errors, live, observe, replica, routes, schemas, sweeper, ui
 from app.access import AccessControl, Tokens
 from app.config import Settings
 from app.db import DatabaseUnavailable, Pool
@@ -123,6 +123,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
     )
     docs.install(app)
+    ui.install(app)
     errors.install(app)
     app.add_middleware(AccessControl)
     app.add_middleware(Observe)

@@ -94,6 +94,11 @@ class ProcessInstance(SQLModel, table=True):
         CheckConstraint(f"instance_key ~ '{NAME_PATTERN}'", name="instance_key_format"),
         CheckConstraint("next_ordinal >= 0", name="next_ordinal_nonnegative"),
         Index(None, "created_at", "id"),
+        Index(
+            "ix_process_instance_instance_key_prefix",
+            "instance_key",
+            postgresql_ops={"instance_key": "text_pattern_ops"},
+        ),
     )
 
     id: int | None = Field(
@@ -121,6 +126,12 @@ class WorkflowStepRecord(SQLModel, table=True):
             "updated_at",
             "id",
             postgresql_where=text(LEASED),
+        ),
+        Index(
+            "ix_workflow_step_record_running_failed",
+            "instance_id",
+            "status",
+            postgresql_where=text("status IN ('running', 'failed')"),
         ),
         CheckConstraint(f"step_slug ~ '{NAME_PATTERN}'", name="step_slug_format"),
         CheckConstraint(f"ordinal BETWEEN 0 AND {MAX_INT4}", name="ordinal_range"),

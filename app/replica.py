@@ -28,7 +28,8 @@ import contextlib
 import logging
 import math
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import TypeVar
 
 import psycopg
@@ -71,6 +72,30 @@ class ReadPool:
             result = await work(conn)
         observe.count_read("primary")
         return result
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[AsyncConn]:
+        """A read connection for work done in several steps (a dashboard page): the replica
+        while healthy, the primary when the replica cannot give one. Unlike `run`, a failure
+        after that is not repeated on the primary; it marks the replica down all the same."""
+        if self.replica is not None and self.healthy:
+            stack = contextlib.AsyncExitStack()
+            try:
+                conn = await stack.enter_async_context(self.replica.connection())
+            except DatabaseUnavailable as exc:
+                self.mark_down(str(exc))
+            else:
+                try:
+                    async with stack:
+                        yield conn
+                except DatabaseUnavailable as exc:
+                    self.mark_down(str(exc))
+                    raise
+                observe.count_read("replica")
+                return
+        async with self.primary.connection() as conn:
+            yield conn
+        observe.count_read("primary")
 
     def mark_down(self, reason: str) -> None:
         self.downs += 1  # a check that began before this cannot make it healthy again

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import psycopg
 
 from app.db import AsyncConn
+from app.serialize import RECORD_KEYS
 
 Kind = Literal["declare", "start", "complete", "fail", "heartbeat"]
 Outcome = Literal[
@@ -80,178 +81,17 @@ RECORD = (
     " {r}.output::text AS output, {r}.external_output_url, {r}.started_at, {r}.completed_at,"
     " {r}.error_code, {r}.error_message, {r}.created_at, {r}.updated_at, {r}.lease_expires_at"
 )
-NO_RECORD = ", ".join(["NULL"] * 14)
-
-# Positions: a record sits at (attempt_count, rank), rank pending 0, running 1, finished 2;
-# an event at (attempt, k), k declare 0, start 1, complete/fail 2 (README, "Events").
-#
-# A start's lease runs from the database clock; only a start carries `lease_seconds`, so every
-# other event clears the lease.
-#
-# Its parameters are $1 the events' indexes, then one array per field of `PARAMS`, in order;
-# it runs on a raw cursor so the long text is sent as is, never re-parsed for placeholders.
-# One statement applies a set of events of distinct steps, in event order `i`: a single event
-# is a set of one. Server-assigned ordinals follow event order: with `s` the running count of
-# server-assigned new steps of an instance and `a` the running max of (client ordinal + 1 - s),
-# a server-assigned step gets s + max(base, a) - 1, which is what applying the events one by
-# one would give, and the instance's counter ends at s_total + max(base, a_total).
-APPLY_EVENTS = f"""
-WITH e AS MATERIALIZED (
-    SELECT x.i, x.instance_key, x.step_slug, x.kind, x.attempt, x.started_at, x.completed_at,
-           x.output::jsonb AS output, x.url, x.error_code, x.error_message, x.ordinal,
-           clock_timestamp() + x.lease_seconds * interval '1 second' AS lease_expires_at,
-           clock_timestamp() AS now,
-           CASE x.kind WHEN 'declare' THEN 0 WHEN 'start' THEN 1 ELSE 2 END AS k,
-           CASE x.kind WHEN 'declare' THEN 'pending' WHEN 'start' THEN 'running'
-                       WHEN 'complete' THEN 'completed' ELSE 'failed' END AS target,
-           (x.kind IN ('declare', 'start') OR x.started_at IS NOT NULL) AS can_create
-    FROM unnest(
-        $1::int[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::timestamptz[],
-        $7::timestamptz[], $8::text[], $9::text[], $10::text[], $11::text[], $12::bigint[],
-        $13::int[]
-    ) AS x(i, instance_key, step_slug, kind, attempt, started_at, completed_at, output, url,
-           error_code, error_message, ordinal, lease_seconds)
-),
-known AS (
-    SELECT p.id, p.instance_key FROM process_instance p
-    WHERE p.instance_key IN (SELECT instance_key FROM e)
-),
-cur AS (
-    SELECT e.i, r.* FROM e
-    JOIN known ON known.instance_key = e.instance_key
-    JOIN workflow_step_record r ON r.instance_id = known.id AND r.step_slug = e.step_slug
-    ORDER BY r.id
-    FOR UPDATE OF r
-),
-dec AS (
-    SELECT cur.i, cur.id, p.a_e, s.started_at,
-        CASE
-            WHEN (p.a_e, e.k) > (cur.attempt_count, p.rank) THEN
-                CASE WHEN p.a_e > 2147483647 THEN 'conflict'
-                     WHEN e.k = 2 AND s.started_at IS NULL THEN 'not_started'
-                     ELSE 'applied' END
-            WHEN (p.a_e, e.k) = (cur.attempt_count, p.rank) THEN
-                CASE WHEN e.k < 2 THEN 'replay'
-                     WHEN cur.status = e.target
-                          AND cur.output IS NOT DISTINCT FROM e.output
-                          AND cur.external_output_url IS NOT DISTINCT FROM e.url
-                          AND cur.error_code IS NOT DISTINCT FROM e.error_code
-                          AND cur.error_message IS NOT DISTINCT FROM e.error_message
-                     THEN 'replay'
-                     ELSE 'conflict' END
-            WHEN p.a_e = cur.attempt_count THEN 'replay'
-            ELSE 'stale_attempt'
-        END AS outcome
-    FROM cur JOIN e ON e.i = cur.i,
-        LATERAL (SELECT
-            CASE WHEN e.k = 0 THEN cur.attempt_count
-                 WHEN e.attempt IS NOT NULL THEN e.attempt
-                 WHEN e.k = 1 THEN cur.attempt_count::bigint + (cur.status <> 'pending')::int
-                 ELSE cur.attempt_count END AS a_e,
-            CASE cur.status WHEN 'pending' THEN 0 WHEN 'running' THEN 1 ELSE 2 END AS rank
-        ) p,
-        LATERAL (SELECT COALESCE(
-            e.started_at,
-            CASE WHEN e.k = 1 THEN e.now
-                 WHEN p.a_e = cur.attempt_count AND cur.status = 'running' THEN cur.started_at
-            END) AS started_at
-        ) s
-),
-upd AS (
-    UPDATE workflow_step_record r SET
-        status = e.target,
-        attempt_count = d.a_e,
-        started_at = d.started_at,
-        completed_at = CASE WHEN e.k = 2
-                            THEN COALESCE(e.completed_at, GREATEST(e.now, d.started_at)) END,
-        output = e.output,
-        external_output_url = e.url,
-        error_code = e.error_code,
-        error_message = e.error_message,
-        lease_expires_at = e.lease_expires_at,
-        updated_at = e.now
-    FROM dec d JOIN e ON e.i = d.i
-    WHERE r.id = d.id AND d.outcome = 'applied'
-    RETURNING d.i, r.*
-),
-fresh AS (
-    SELECT e.i, e.instance_key, e.ordinal,
-           count(*) FILTER (WHERE e.ordinal IS NULL)
-               OVER (PARTITION BY e.instance_key ORDER BY e.i) AS s
-    FROM e
-    WHERE e.can_create AND NOT EXISTS (SELECT 1 FROM cur WHERE cur.i = e.i)
-),
-spans AS (
-    SELECT f.*,
-           max(f.ordinal + 1 - f.s) OVER (PARTITION BY f.instance_key ORDER BY f.i) AS a,
-           max(f.ordinal + 1 - f.s) OVER (PARTITION BY f.instance_key) AS a_total,
-           count(*) FILTER (WHERE f.ordinal IS NULL)
-               OVER (PARTITION BY f.instance_key) AS s_total
-    FROM fresh f
-),
-locked AS (
-    SELECT p.id, p.instance_key, p.next_ordinal AS base FROM process_instance p
-    WHERE p.instance_key IN (SELECT instance_key FROM spans)
-    ORDER BY p.id
-    FOR UPDATE
-),
-assigned AS (
-    SELECT sp.i, sp.instance_key, l.id AS locked_id,
-           COALESCE(sp.ordinal, sp.s + GREATEST(COALESCE(l.base, 0), sp.a) - 1) AS ordinal,
-           sp.s_total + GREATEST(COALESCE(l.base, 0), sp.a_total) AS next_ordinal
-    FROM spans sp LEFT JOIN locked l ON l.instance_key = sp.instance_key
-),
-bump AS (
-    UPDATE process_instance p SET next_ordinal = x.next_ordinal
-    FROM (SELECT DISTINCT locked_id, next_ordinal FROM assigned
-          WHERE locked_id IS NOT NULL) x
-    WHERE p.id = x.locked_id
-    RETURNING p.id
-),
-new_instance AS (
-    INSERT INTO process_instance (instance_key, next_ordinal)
-    SELECT a.instance_key, max(a.next_ordinal) FROM assigned a
-    WHERE NOT EXISTS (SELECT 1 FROM known WHERE known.instance_key = a.instance_key)
-    GROUP BY a.instance_key
-    ON CONFLICT ON CONSTRAINT uq_process_instance_instance_key DO NOTHING
-    RETURNING id, instance_key
-),
-inst AS (
-    SELECT id, instance_key FROM new_instance
-    UNION ALL
-    SELECT id, instance_key FROM known
-),
-ins AS (
-    INSERT INTO workflow_step_record AS r (
-        instance_id, step_slug, ordinal, status, attempt_count, output, external_output_url,
-        started_at, completed_at, error_code, error_message, lease_expires_at, created_at,
-        updated_at)
-    SELECT inst.id, e.step_slug, a.ordinal, e.target,
-           CASE WHEN e.k = 0 THEN 1 ELSE COALESCE(e.attempt, 1) END,
-           e.output, e.url,
-           CASE WHEN e.k > 0 THEN COALESCE(e.started_at, e.now) END,
-           CASE WHEN e.k = 2 THEN COALESCE(e.completed_at, GREATEST(e.now, e.started_at)) END,
-           e.error_code, e.error_message, e.lease_expires_at, e.now, e.now
-    FROM assigned a
-    JOIN e ON e.i = a.i
-    JOIN inst ON inst.instance_key = a.instance_key
-    WHERE a.ordinal <= 2147483647
-    RETURNING r.*
+# The merge is a function in the database (migration 0006, which holds its SQL and says how it
+# judges): PostgreSQL plans it once per connection, through any pooler, where the statement it
+# runs cost twice its execution time to plan on every call. It takes $1 the events' indexes,
+# then one array per field of `PARAMS`, in order, and answers one row per event (index,
+# outcome, record) with events of distinct steps applied in one statement, each judged as if
+# alone. It runs on a raw cursor: the text is sent as is, never parsed for placeholders.
+APPLY_EVENTS = (
+    "SELECT * FROM steprecord_apply_events($1::int[], $2::text[], $3::text[], $4::text[],"
+    " $5::bigint[], $6::timestamptz[], $7::timestamptz[], $8::text[], $9::text[], $10::text[],"
+    " $11::text[], $12::bigint[], $13::int[])"
 )
-SELECT e.i, 'created' AS outcome, {RECORD.format(r="ins")}
-FROM ins JOIN inst ON inst.id = ins.instance_id
-JOIN e ON e.instance_key = inst.instance_key AND e.step_slug = ins.step_slug
-UNION ALL
-SELECT upd.i, 'applied', {RECORD.format(r="upd")} FROM upd
-UNION ALL
-SELECT d.i, d.outcome, {RECORD.format(r="cur")} FROM dec d JOIN cur ON cur.i = d.i
-WHERE d.outcome <> 'applied'
-UNION ALL
-SELECT e.i, 'not_started', {NO_RECORD} FROM e
-WHERE NOT e.can_create AND NOT EXISTS (SELECT 1 FROM cur WHERE cur.i = e.i)
-UNION ALL
-SELECT a.i, 'ordinal_taken', {NO_RECORD} FROM assigned a WHERE a.ordinal > 2147483647
-"""
 
 # An event with no row in the answer lost a race with a concurrent creator of its instance (the
 # statement's snapshot could not see the new row); a collision on the step's unique key (a
@@ -275,44 +115,11 @@ PARAMS = (
 )
 
 # A heartbeat extends the lease of the running attempt it names, under the record's row lock;
-# it never changes status, times or attempt_count. Parameters: the events' indexes, then one
-# array per field of `HEARTBEAT_PARAMS`.
-HEARTBEAT = f"""
-WITH e AS MATERIALIZED (
-    SELECT x.*, clock_timestamp() AS now
-    FROM unnest($1::int[], $2::text[], $3::text[], $4::bigint[], $5::int[])
-        AS x(i, instance_key, step_slug, attempt, lease_seconds)
-),
-cur AS (
-    SELECT e.i, r.* FROM e
-    JOIN process_instance p ON p.instance_key = e.instance_key
-    JOIN workflow_step_record r ON r.instance_id = p.id AND r.step_slug = e.step_slug
-    ORDER BY r.id
-    FOR UPDATE OF r
-),
-dec AS (
-    SELECT cur.i, cur.id,
-        CASE WHEN e.attempt < cur.attempt_count THEN 'stale_attempt'
-             WHEN cur.status = 'pending' THEN 'not_started'
-             WHEN e.attempt > cur.attempt_count OR cur.status <> 'running' THEN 'not_running'
-             ELSE 'applied' END AS outcome
-    FROM cur JOIN e ON e.i = cur.i
-),
-upd AS (
-    UPDATE workflow_step_record r SET
-        lease_expires_at = e.now + e.lease_seconds * interval '1 second',
-        updated_at = e.now
-    FROM dec d JOIN e ON e.i = d.i
-    WHERE r.id = d.id AND d.outcome = 'applied'
-    RETURNING d.i, r.*
+# it never changes status, times or attempt_count (a function of migration 0006, like the
+# merge). Parameters: the events' indexes, then one array per field of `HEARTBEAT_PARAMS`.
+HEARTBEAT = (
+    "SELECT * FROM steprecord_heartbeat($1::int[], $2::text[], $3::text[], $4::bigint[], $5::int[])"
 )
-SELECT upd.i, 'applied' AS outcome, {RECORD.format(r="upd")} FROM upd
-UNION ALL
-SELECT d.i, d.outcome, {RECORD.format(r="cur")} FROM dec d JOIN cur ON cur.i = d.i
-WHERE d.outcome <> 'applied'
-UNION ALL
-SELECT e.i, 'not_started', {NO_RECORD} FROM e WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.i = e.i)
-"""
 HEARTBEAT_PARAMS = ("instance_key", "step_slug", "attempt", "lease_seconds")
 
 Outcomes = list[Result | Exception]
@@ -376,11 +183,8 @@ async def _apply_statement(
 ) -> None:
     pending = indexes
     for _ in range(MAX_TRIES):
-        # A set of events is planned for its size each time: a plan cached for one event
-        # would serve a hundred badly.
-        prepare = None if len(pending) == 1 else False
         try:
-            rows = await _run(conn, statement, _columns(events, pending, names), prepare)
+            rows = await _run(conn, statement, _columns(events, pending, names))
         except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
             continue
         except (psycopg.errors.IntegrityError, psycopg.errors.DataError) as exc:
@@ -410,11 +214,9 @@ async def _apply_statement(
         )
 
 
-async def _run(
-    conn: AsyncConn, statement: str, params: list[list[Any]], prepare: bool | None
-) -> list[dict[str, Any]]:
+async def _run(conn: AsyncConn, statement: str, params: list[list[Any]]) -> list[dict[str, Any]]:
     async with psycopg.AsyncRawCursor(conn) as cur:
-        await cur.execute(statement, params, prepare=prepare)
+        await cur.execute(statement, params)
         return await cur.fetchall()
 
 
@@ -507,54 +309,140 @@ async def get_step(conn: AsyncConn, instance_key: str, step_slug: str) -> dict[s
 
 STATUS_FILTER = "AND (%(statuses)s::text[] IS NULL OR r.status = ANY(%(statuses)s::text[]))"
 
-LIST_BY_ORDINAL = f"""
+
+def _list_queries(columns: str) -> tuple[str, str, str]:
+    """The three list queries (by ordinal, by started_at, inside the never-started part),
+    each selecting `columns` of the records `r` of one page of an instance `p`."""
+    started = f"""
+    (SELECT {columns} FROM workflow_step_record r
+     WHERE r.instance_id = p.id
+       AND (r.started_at, r.id) > (%(after_started_at)s, %(after_id)s) {STATUS_FILTER}
+     ORDER BY r.started_at, r.id
+     LIMIT %(limit)s)
+"""
+    unstarted = f"""
+    (SELECT {columns} FROM workflow_step_record r
+     WHERE r.instance_id = p.id AND r.started_at IS NULL
+       AND r.id > %(after_id)s {STATUS_FILTER}
+     ORDER BY r.started_at, r.id
+     LIMIT %(limit)s)
+"""
+    by_ordinal = f"""
 SELECT p.id AS instance_id, s.*
 FROM process_instance p
 LEFT JOIN LATERAL (
-    SELECT {RECORD.format(r="r")} FROM workflow_step_record r
+    SELECT {columns} FROM workflow_step_record r
     WHERE r.instance_id = p.id AND r.ordinal > %(after_ordinal)s {STATUS_FILTER}
     ORDER BY r.ordinal
     LIMIT %(limit)s
 ) s ON true
 WHERE p.instance_key = %(instance_key)s
 """
-
-_STARTED = f"""
-    (SELECT {RECORD.format(r="r")} FROM workflow_step_record r
-     WHERE r.instance_id = p.id
-       AND (r.started_at, r.id) > (%(after_started_at)s, %(after_id)s) {STATUS_FILTER}
-     ORDER BY r.started_at, r.id
-     LIMIT %(limit)s)
-"""
-_UNSTARTED = f"""
-    (SELECT {RECORD.format(r="r")} FROM workflow_step_record r
-     WHERE r.instance_id = p.id AND r.started_at IS NULL
-       AND r.id > %(after_id)s {STATUS_FILTER}
-     ORDER BY r.started_at, r.id
-     LIMIT %(limit)s)
-"""
-# Started steps by (started_at, id), then never-started ones by id: two index range scans
-# appended, so neither needs a sort. A cursor inside the never-started part needs only that one.
-LIST_BY_STARTED_AT = f"""
+    # Started steps by (started_at, id), then never-started ones by id: two index range scans
+    # appended, so neither needs a sort. A cursor inside the never-started part needs only
+    # that one.
+    by_started_at = f"""
 SELECT p.id AS instance_id, s.*
 FROM process_instance p
 LEFT JOIN LATERAL (
-    {_STARTED} UNION ALL {_UNSTARTED.replace("%(after_id)s", "0")} LIMIT %(limit)s
+    {started} UNION ALL {unstarted.replace("%(after_id)s", "0")} LIMIT %(limit)s
 ) s ON true
 WHERE p.instance_key = %(instance_key)s
 """
-LIST_UNSTARTED = f"""
+    only_unstarted = f"""
 SELECT p.id AS instance_id, s.*
 FROM process_instance p
-LEFT JOIN LATERAL {_UNSTARTED} s ON true
+LEFT JOIN LATERAL {unstarted} s ON true
 WHERE p.instance_key = %(instance_key)s
 """
+    return by_ordinal, by_started_at, only_unstarted
+
+
+# The pages as rows (the bench runs these through pgbench, the plan tests check them).
+LIST_BY_ORDINAL, LIST_BY_STARTED_AT, LIST_UNSTARTED = _list_queries(RECORD.format(r="r"))
+
+
+def json_timestamp(column: str) -> str:
+    """SQL rendering a timestamptz as the API does (app/serialize.py): UTC with a `Z`,
+    microseconds only when not zero."""
+    return (
+        f"to_char({column} AT TIME ZONE 'UTC', CASE WHEN date_trunc('second', {column}) = {column}"
+        """ THEN 'YYYY-MM-DD"T"HH24:MI:SS"Z"' ELSE 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"' END)"""
+    )
+
+
+JSON_TIMES = ("started_at", "completed_at", "lease_expires_at", "created_at", "updated_at")
+
+
+def _json_record(summary: bool) -> str:
+    """The columns of a record's JSON object, from a row `s` of the page; the stored output
+    (jsonb) passes through as PostgreSQL prints it, as the Python rendering embeds it."""
+    omitted = ("output", "error_message") if summary else ()
+    columns = []
+    for key in RECORD_KEYS:
+        if key in omitted:
+            continue
+        if key == "instance_key":
+            value = "%(instance_key)s::text"
+        elif key in JSON_TIMES:
+            value = json_timestamp(f"s.{key}")
+        else:
+            value = f"s.{key}"
+        columns.append(f"{value} AS {key}")
+    return ", ".join(columns)
+
+
+def _json_page(query: str, order: Order, summary: bool) -> str:
+    """One page as JSON text rendered by PostgreSQL, with the position of its last record.
+
+    `query` yields up to `%(page)s + 1` records; `items` is the JSON objects of the first
+    `%(page)s`, comma-separated, and `last_*` the position of the last of those when more
+    follow (NULL otherwise). `found` is 0 when the instance does not exist.
+    """
+    key = "q.ordinal" if order == "ordinal" else "q.started_at, q.id"
+    lasts = ", ".join(
+        f"CASE WHEN count(q.id) > %(page)s"
+        f" THEN (array_agg(q.{name} ORDER BY {key}))[%(page)s] END AS last_{name}"
+        for name in (("ordinal",) if order == "ordinal" else ("started_at", "id"))
+    )
+    return f"""
+SELECT count(*) AS found,
+       array_to_string((array_agg(q.j ORDER BY {key}))[1:%(page)s], ',') AS items, {lasts}
+FROM (
+    SELECT s.id, s.ordinal, s.started_at,
+           CASE WHEN s.id IS NOT NULL
+                THEN (SELECT row_to_json(x)::text FROM (SELECT {_json_record(summary)}) x)
+           END AS j
+    FROM ({query}) s
+) q
+"""
+
+
+_JSON_COLUMNS = RECORD.format(r="r").replace("r.output::text AS output", "r.output")
+# By (order, whether the cursor is inside the never-started part, fields=summary).
+_ORDERS: tuple[Order, Order, Order] = ("ordinal", "started_at", "started_at")
+JSON_PAGES = {
+    (order, unstarted, summary): _json_page(query, order, summary)
+    for summary in (False, True)
+    for order, unstarted, query in zip(
+        _ORDERS,
+        (False, False, True),
+        _list_queries(_JSON_COLUMNS),
+        strict=True,
+    )
+}
 
 
 @dataclass(frozen=True, slots=True)
 class Page:
     items: list[dict[str, Any]]
     last: dict[str, Any] | None  # the last item when another page follows
+
+
+@dataclass(frozen=True, slots=True)
+class JsonPage:
+    items: str  # the records as JSON objects, comma-separated (the inside of an array)
+    last: dict[str, Any] | None  # the position of the last record when another page follows
 
 
 async def list_steps(
@@ -565,8 +453,11 @@ async def list_steps(
     after: Sequence[Any] | None,
     statuses: Sequence[str] | None,
     limit: int,
-) -> Page:
-    """One page of an instance's records; `after` is the keyset position of the last one seen.
+    summary: bool = False,
+) -> JsonPage:
+    """One page of an instance's records as JSON text rendered by PostgreSQL (a page of 100
+    is then bytes passed through, not 100 dicts built and serialised); `after` is the keyset
+    position of the last one seen.
 
     For `ordinal` it is `(ordinal,)`; for `started_at` it is `(started_at or None, id)`.
     """
@@ -574,25 +465,26 @@ async def list_steps(
         "instance_key": instance_key,
         "statuses": list(statuses) if statuses else None,
         "limit": limit + 1,
+        "page": limit,
     }
+    unstarted = False
     if order == "ordinal":
         params["after_ordinal"] = after[0] if after else -1
-        query = LIST_BY_ORDINAL
     else:
         started_at, last_id = after if after else ("-infinity", 0)
         params["after_started_at"] = started_at
         params["after_id"] = last_id
-        query = LIST_BY_STARTED_AT if started_at is not None else LIST_UNSTARTED
-    cur = await conn.execute(query, params)
-    rows = await cur.fetchall()
-    if not rows:
+        unstarted = started_at is None
+    cur = await conn.execute(JSON_PAGES[order, unstarted, summary], params)
+    row = await cur.fetchone()
+    if row is None or row["found"] == 0:
         raise InstanceNotFound(instance_key)
-    items = [_record(row, instance_key) for row in rows if row["id"] is not None]
-    for item in items:
-        del item["instance_id"]
-    if len(items) > limit:
-        return Page(items[:limit], items[limit - 1])
-    return Page(items, None)
+    last: dict[str, Any] | None = None
+    if order == "ordinal" and row["last_ordinal"] is not None:
+        last = {"ordinal": row["last_ordinal"]}
+    elif order == "started_at" and row["last_id"] is not None:
+        last = {"started_at": row["last_started_at"], "id": row["last_id"]}
+    return JsonPage(row["items"] or "", last)
 
 
 GET_INSTANCE = """
@@ -638,6 +530,127 @@ async def list_instances(
     if len(rows) > limit:
         return rows[:limit], rows[limit - 1]
     return rows, None
+
+
+# --- the dashboard ---------------------------------------------------------------------
+
+STEP_COUNTS = """
+    SELECT count(*) FILTER (WHERE r.status = 'pending') AS pending,
+           count(*) FILTER (WHERE r.status = 'running') AS running,
+           count(*) FILTER (WHERE r.status = 'completed') AS completed,
+           count(*) FILTER (WHERE r.status = 'failed') AS failed
+    FROM workflow_step_record r WHERE r.instance_id = p.id
+"""
+Trouble = Literal["failed", "running"]
+
+
+def prefix_range(prefix: str) -> tuple[str, str]:
+    """The byte-wise range of keys starting with `prefix`: keys are ASCII, so incrementing the
+    last character of the prefix gives the first key past them."""
+    return prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+def prefix_pattern(prefix: str) -> str:
+    """A LIKE pattern matching the keys that start with `prefix` (`_` is a wildcard there)."""
+    return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
+def list_instances_query(*, prefix: bool, has: Trouble | None) -> str:
+    """Instances newest first with their step counts; a key prefix reads the prefix index, a
+    status filter probes the partial index of running and failed records per instance."""
+    where = ["(p.created_at, p.id) < (%(before_created_at)s, %(before_id)s)"]
+    if prefix:
+        # The range is what the index reads (in any plan); LIKE lets the planner estimate
+        # how many keys match from the column's statistics.
+        where.append(
+            "p.instance_key ~>=~ %(prefix_low)s AND p.instance_key ~<~ %(prefix_high)s"
+            " AND p.instance_key LIKE %(prefix_like)s"
+        )
+    if has is not None:
+        where.append(
+            "EXISTS (SELECT FROM workflow_step_record f"
+            f" WHERE f.instance_id = p.id AND f.status = '{has}')"
+        )
+    return f"""
+SELECT p.id, p.instance_key, p.created_at, c.*
+FROM process_instance p
+CROSS JOIN LATERAL ({STEP_COUNTS}) c
+WHERE {" AND ".join(where)}
+ORDER BY p.created_at DESC, p.id DESC
+LIMIT %(limit)s
+"""
+
+
+async def list_instances_with_counts(
+    conn: AsyncConn,
+    *,
+    prefix: str | None,
+    has: Trouble | None,
+    before: Sequence[Any] | None,
+    limit: int,
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Instances newest first with their step counts, optionally only those whose key starts
+    with `prefix` and those with a step in status `has`; `before` is `(created_at, id)`."""
+    created_at, last_id = before if before else ("infinity", 0)
+    params: dict[str, Any] = {
+        "before_created_at": created_at,
+        "before_id": last_id,
+        "limit": limit + 1,
+    }
+    if prefix:
+        params["prefix_low"], params["prefix_high"] = prefix_range(prefix)
+        params["prefix_like"] = prefix_pattern(prefix)
+    query = list_instances_query(prefix=bool(prefix), has=has)
+    cur = await conn.execute(query, params)
+    rows = await cur.fetchall()
+    if len(rows) > limit:
+        return rows[:limit], rows[limit - 1]
+    return rows, None
+
+
+# Everything the instance page shows of its steps, without outputs and messages (the step
+# page shows those): one statement for the records, one for every attempt of the instance.
+INSTANCE_STEPS = """
+SELECT r.id, r.step_slug, r.ordinal, r.status, r.attempt_count, r.started_at, r.completed_at,
+       r.error_code, r.lease_expires_at, r.updated_at
+FROM workflow_step_record r
+WHERE r.instance_id = %(instance_id)s
+ORDER BY r.ordinal
+LIMIT %(limit)s
+"""
+INSTANCE_ATTEMPTS = """
+SELECT a.record_id, a.attempt, a.status, a.started_at, a.completed_at, a.error_code
+FROM workflow_step_record r
+JOIN workflow_step_attempt a ON a.record_id = r.id
+WHERE r.instance_id = %(instance_id)s AND r.ordinal <= %(last_ordinal)s
+ORDER BY a.record_id, a.attempt
+"""
+
+
+async def instance_steps(
+    conn: AsyncConn, instance_id: int, *, limit: int
+) -> tuple[list[dict[str, Any]], bool]:
+    """The first `limit` records of an instance in ordinal order, each with `attempts` (every
+    attempt, oldest first); True when the instance has more."""
+    cur = await conn.execute(INSTANCE_STEPS, {"instance_id": instance_id, "limit": limit + 1})
+    records = await cur.fetchall()
+    more = len(records) > limit
+    records = records[:limit]
+    if not records:
+        return [], more
+    by_id: dict[int, dict[str, Any]] = {}
+    for record in records:
+        record["attempts"] = []
+        by_id[record["id"]] = record
+    cur = await conn.execute(
+        INSTANCE_ATTEMPTS,
+        {"instance_id": instance_id, "last_ordinal": records[-1]["ordinal"]},
+    )
+    for attempt in await cur.fetchall():
+        owner = by_id.get(attempt.pop("record_id"))
+        if owner is not None:
+            owner["attempts"].append(attempt)
+    return records, more
 
 
 ATTEMPT = (

@@ -4,8 +4,12 @@ import base64
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
+from psycopg.rows import dict_row
 
+from app import steps
+from app.serialize import dumps, record_json
 from tests.helpers import T1, T2, T3, post, problem, record
 
 STEPS = "/v1/instances/order-1/steps"
@@ -178,3 +182,83 @@ def test_health_and_readiness(client: httpx.Client) -> None:
     ready = client.get("/readyz")
     assert ready.status_code == 200
     assert ready.json()["status"] == "ready"
+
+
+# Values where a JSON renderer could differ: timestamps with and without microseconds, before
+# 1970, given in another zone; every control character, quotes, backslashes, U+2028, non-BMP
+# characters; outputs with long integers, trailing zeros, escapes and nesting.
+TRICKY_TEXT = "".join(map(chr, range(1, 32))) + '\x7f"\\/é\u2028😀 end'
+TRICKY_RECORDS: list[dict[str, Any]] = [
+    {"status": "pending", "created_at": "1000-01-01T00:00:00Z"},
+    {
+        "status": "running",
+        "started_at": "1969-12-31T23:59:59.999999Z",
+        "lease_expires_at": "2026-12-02T10:00:01.5+05:30",
+    },
+    {
+        "status": "completed",
+        "started_at": "2026-12-02T10:00:01.000001Z",
+        "completed_at": "2026-12-02T10:00:02Z",
+        "output": '{"n": 123456789012345678901234567890, "f": 1.50, "e": 1e2, "z": -0,'
+        ' "s": "\\u001f\\"\\\\\\ud83d\\ude00\u2028", "nested": {"a": [true, null, {}], "b": []}}',
+    },
+    {
+        "status": "completed",
+        "started_at": T1,
+        "completed_at": T1,
+        "external_output_url": "s3://b/" + "é" * 3 + '?q="x"',
+    },
+    {"status": "completed", "started_at": T1, "completed_at": T2, "output": '"just text"'},
+    {
+        "status": "failed",
+        "started_at": T1,
+        "completed_at": "2026-12-02T10:00:02.100000Z",
+        "error_code": "Boom.x:y-z",
+        "error_message": TRICKY_TEXT,
+    },
+]
+
+
+@pytest.mark.parametrize("summary", [False, True])
+@pytest.mark.parametrize("order", ["ordinal", "started_at"])
+def test_a_page_rendered_by_postgresql_is_byte_for_byte_the_python_rendering(
+    db: psycopg.Connection[tuple[object, ...]], order: steps.Order, summary: bool
+) -> None:
+    db.execute("SET TIME ZONE 'America/St_Johns'")  # a zone at -03:30, so no offset hides
+    row = db.execute(
+        "INSERT INTO process_instance (instance_key) VALUES ('tricky-1') RETURNING id"
+    ).fetchone()
+    assert row is not None
+    for ordinal, fields in enumerate(TRICKY_RECORDS * 2):
+        values = {"step_slug": f"s{ordinal}", "ordinal": 2147483647 - ordinal, **fields}
+        values.setdefault("attempt_count", 3)
+        columns = ", ".join(["instance_id", *values])
+        marks = ", ".join(["%s"] * (len(values) + 1))
+        db.execute(
+            f"INSERT INTO workflow_step_record ({columns}) VALUES ({marks})",
+            [row[0], *values.values()],
+        )
+    params: dict[str, Any] = {
+        "instance_key": "tricky-1",
+        "statuses": None,
+        "after_ordinal": -1,
+        "after_started_at": "-infinity",
+        "after_id": 0,
+        "limit": 8,
+        "page": 7,
+    }
+    rows_query = steps.LIST_BY_ORDINAL if order == "ordinal" else steps.LIST_BY_STARTED_AT
+    with db.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(rows_query, params).fetchall()
+        page = cur.execute(steps.JSON_PAGES[order, False, summary], params).fetchone()
+    assert page is not None
+    assert len(rows) == 8
+    for item in rows:
+        item["instance_key"] = "tricky-1"
+    expected = dumps([record_json(item, summary) for item in rows[:7]])
+    assert f"[{page['items']}]".encode() == expected
+    last = rows[6]
+    if order == "ordinal":
+        assert page["last_ordinal"] == last["ordinal"]
+    else:
+        assert (page["last_started_at"], page["last_id"]) == (last["started_at"], last["id"])

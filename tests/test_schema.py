@@ -353,11 +353,20 @@ def _tables(url: str) -> set[str]:
     return {str(r[0]) for r in rows}
 
 
+def _functions(url: str) -> set[str]:
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            "SELECT proname FROM pg_proc WHERE proname LIKE 'steprecord\\_%'"
+        ).fetchall()
+    return {str(r[0]) for r in rows}
+
+
 def test_migrations_upgrade_downgrade_and_upgrade_again(scratch_database: str) -> None:
     migrate(scratch_database)
     assert {"process_instance", "workflow_step_record", "alembic_version"} <= _tables(
         scratch_database
     )
+    assert _functions(scratch_database) == {"steprecord_apply_events", "steprecord_heartbeat"}
     config = alembic_config()
     config.attributes["database_url"] = scratch_database
     command.downgrade(config, "base")
@@ -367,6 +376,7 @@ def test_migrations_upgrade_downgrade_and_upgrade_again(scratch_database: str) -
             "SELECT count(*) FROM pg_proc WHERE proname = 'workflow_step_record_guard_transition'"
         ).fetchone()
     assert functions == (0,)
+    assert _functions(scratch_database) == set()
     migrate(scratch_database)
     assert "workflow_step_record" in _tables(scratch_database)
 

@@ -9,9 +9,11 @@ transaction) or could not run; a missed target is reported, not an error.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
+import random
 import re
 import shlex
 import shutil
@@ -50,7 +52,22 @@ READ_LIMIT = 100
 SMALL_TABLE = 10**4
 CPUS = len(os.sched_getaffinity(0))
 INSTALL = "apt-get update && apt-get install -y wrk postgresql-client  # pgbench"
-TARGETS = {"single": 0.40, "batch": 0.90, "read_growth": 1.2, "tail": 3.0}
+TARGETS = {
+    "single": 0.40,
+    "batch": 0.90,
+    "reads": 0.30,
+    "read_growth": 1.2,
+    "tail": 3.0,
+    "contention": 1000.0,
+}
+# The contention load: every step of CONTENDED_INSTANCES x CONTENDED_STEPS gets the four events
+# of two attempts (start 1, fail 1, start 2, complete 2), each sent COPIES times, all shuffled.
+CONTENDED_INSTANCES = 20
+CONTENDED_STEPS = 20
+COPIES = 3
+# What a reordered event may answer: applied, created, a replay, or a stale attempt (an
+# attempt-1 event arriving after attempt 2 began). Anything else is an error.
+CONTENTION_ANSWERS = {200, 201, 409}
 # Never through a proxy: all traffic stays on 127.0.0.1.
 HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -324,6 +341,117 @@ def pgbench(
     )
 
 
+# --- the contention load ---------------------------------------------------------------------
+
+
+def contended_events(seed: int = 7) -> list[tuple[str, bytes]]:
+    """(path, body) of every event of the contention load, duplicated and shuffled."""
+    events: list[tuple[str, bytes]] = []
+    for n in range(1, CONTENDED_INSTANCES + 1):
+        for m in range(1, CONTENDED_STEPS + 1):
+            path = f"/v1/instances/c{n}/steps/s{m}"
+            bodies = [
+                ("start", {"attempt": 1, "started_at": "2026-12-03T10:00:01Z"}),
+                (
+                    "fail",
+                    {
+                        "attempt": 1,
+                        "started_at": "2026-12-03T10:00:01Z",
+                        "completed_at": "2026-12-03T10:00:02Z",
+                        "error_code": "Boom",
+                        "error_message": "attempt 1 broke",
+                    },
+                ),
+                ("start", {"attempt": 2, "started_at": "2026-12-03T10:00:03Z"}),
+                (
+                    "complete",
+                    {
+                        "attempt": 2,
+                        "started_at": "2026-12-03T10:00:03Z",
+                        "completed_at": "2026-12-03T10:00:04.5Z",
+                        "output": {"n": n, "m": m},
+                    },
+                ),
+            ]
+            for kind, body in bodies:
+                events += [(f"{path}/{kind}", json.dumps(body).encode())] * COPIES
+    random.Random(seed).shuffle(events)
+    return events
+
+
+async def _send_all(base: str, events: list[tuple[str, bytes]], connections: int) -> list[int]:
+    """POST every event once over `connections` keep-alive connections; the statuses."""
+    host, port = base.removeprefix("http://").split(":")
+    token = os.environ.get("STEPRECORD_BENCH_TOKEN")
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    queue = list(enumerate(events))
+    queue.reverse()
+    statuses = [0] * len(events)
+
+    async def worker() -> None:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            while queue:
+                index, (path, body) = queue.pop()
+                head = (
+                    f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{auth}"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                )
+                writer.write(head.encode() + body)
+                answer = await reader.readuntil(b"\r\n\r\n")
+                lines = answer.decode("latin-1").split("\r\n")
+                length = next(
+                    int(line.split(":", 1)[1])
+                    for line in lines
+                    if line.lower().startswith("content-length:")
+                )
+                await reader.readexactly(length)
+                statuses[index] = int(lines[0].split()[1])
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(worker() for _ in range(connections)))
+    return statuses
+
+
+CONTENTION_STATE = """
+-- Ordinals are unique per instance, so 0 .. count - 1 means no gap.
+SELECT count(*) AS records,
+       count(*) FILTER (WHERE r.status = 'completed' AND r.attempt_count = 2
+                          AND r.started_at = '2026-12-03T10:00:03Z'
+                          AND r.completed_at = '2026-12-03T10:00:04.5Z'
+                          AND r.output = jsonb_build_object(
+                                  'n', substr(p.instance_key, 2)::int,
+                                  'm', substr(r.step_slug, 2)::int)
+                          AND r.error_code IS NULL AND r.lease_expires_at IS NULL) AS right,
+       (SELECT count(*) FROM (
+            SELECT instance_id FROM workflow_step_record GROUP BY instance_id
+            HAVING min(ordinal) = 0 AND max(ordinal) = count(*) - 1) o) AS gapless,
+       (SELECT count(*) FROM workflow_step_attempt a
+        WHERE a.attempt = 2 AND a.status = 'completed') AS attempts_2,
+       (SELECT count(*) FROM workflow_step_attempt a
+        WHERE a.attempt = 1 AND a.status NOT IN ('failed', 'superseded')) AS attempts_1_wrong
+FROM workflow_step_record r JOIN process_instance p ON p.id = r.instance_id
+"""
+
+
+def contention_wrong(dsn: str) -> list[str]:
+    """What is not exactly right after the contention load (nothing, when all is)."""
+    steps_total = CONTENDED_INSTANCES * CONTENDED_STEPS
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(CONTENTION_STATE).fetchone()
+    assert row is not None
+    records, right, gapless, attempts_2, attempts_1_wrong = row
+    wrong = []
+    if records != steps_total or right != steps_total:
+        wrong.append(f"{right} of {records} records as expected (want {steps_total})")
+    if gapless != CONTENDED_INSTANCES:
+        wrong.append(f"{gapless} of {CONTENDED_INSTANCES} instances have ordinals 0..n-1")
+    if attempts_2 != steps_total or attempts_1_wrong:
+        wrong.append(f"history: {attempts_2} completed attempts 2, {attempts_1_wrong} bad 1s")
+    return wrong
+
+
 # --- the run ---------------------------------------------------------------------------------
 
 
@@ -406,6 +534,39 @@ class Bench:
             "batch, pgbench", "batch.sql", BATCH_SIZE, size=BATCH_SIZE
         )
         return service_load, pgbench_load
+
+    def contention(self) -> Load:
+        """The contention load, sent once (events/s = all events / the time until the last
+        answer), then checked exactly right."""
+        events = contended_events()
+        reset(self.dsn)
+        started = time.monotonic()
+        statuses = asyncio.run(_send_all(self.base, events, self.connections))
+        elapsed = time.monotonic() - started
+        bad = [status for status in statuses if status not in CONTENTION_ANSWERS]
+        wrong = contention_wrong(self.dsn)
+        detail = "; ".join(wrong + ([f"statuses {sorted(set(bad))}"] if bad else []))
+        load = Load(len(events) / elapsed, 1, math.nan, math.nan, len(bad) + len(wrong), detail)
+        return self.check("contention, service", load)
+
+    def read_throughput(self) -> tuple[Load, Load]:
+        """Reads/s of the first page at `connections` clients, on the small table."""
+        instances = SMALL_TABLE // STEPS_PER_INSTANCE
+        args = ["r", instances, "ordinal", READ_LIMIT]
+        served = wrk(self.base, "reads.lua", self.connections, self.seconds, args, 1)
+        direct = pgbench(
+            self.dsn,
+            read_script("ordinal", self.tmp / "read_throughput.sql"),
+            self.connections,
+            self.seconds,
+            {"instances": instances},
+            1,
+            self.protocol,
+        )
+        return (
+            self.check(f"reads at {self.connections} connections, service", served),
+            self.check(f"reads at {self.connections} connections, pgbench", direct),
+        )
 
     def reads(self, large: int) -> dict[int, dict[str, tuple[Load, Load]]]:
         """p50/p99 of the first page of a random instance: service and pgbench, per order.
@@ -510,6 +671,8 @@ def report(
     single: tuple[Load, Load, Load],
     batch: tuple[Load, Load] | None,
     reads: dict[int, dict[str, tuple[Load, Load]]],
+    read_rate: tuple[Load, Load],
+    contention: Load,
 ) -> str:
     rows: list[tuple[str, str, str, str, str]] = []
 
@@ -532,6 +695,20 @@ def report(
     else:
         label = f"batch events/s, {BATCH_SIZE}/request, {conns} conn"
         throughput(label, batch[0], batch[1], TARGETS["batch"])
+    right = "no" if contention.errors else "yes"
+    label = f"contention events/s, {conns} conn, exactly right: {right}"
+    rows.append(
+        (
+            label,
+            fmt(contention.events_per_s),
+            "",
+            "",
+            f">= {TARGETS['contention']:,.0f}/s"
+            f" {verdict(contention.events_per_s, TARGETS['contention'], True)}",
+        )
+    )
+    label = f"reads/s, limit={READ_LIMIT}, {rows_label(SMALL_TABLE)} rows, {conns} conn"
+    throughput(label, *read_rate, TARGETS["reads"])
     small, large = sorted(reads)
     for order in ("ordinal", "started_at"):
         for records in (small, large):
@@ -649,8 +826,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         single = bench.single()
         batch = bench.batch()
+        contention = bench.contention()
         reads = bench.reads(large)
-        print(report(bench, header, single, batch, reads))
+        throughput = bench.read_throughput()
+        print(report(bench, header, single, batch, reads, throughput, contention))
     return 1 if bench.errors else 0
 
 

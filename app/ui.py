@@ -1,0 +1,482 @@
+"""The built-in dashboard at `/ui`: read-only pages rendered on the server from the data module.
+
+Templates are Jinja2 with autoescaping, so a step's output, error or key is always text, never
+markup. The stylesheet and the small live-update script are served by the service itself.
+Access (README, "Dashboard"): the API's rules, plus a read token kept in an HttpOnly cookie.
+"""
+
+import json
+import re
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, quote, urlsplit
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from jinja2 import Environment, FileSystemLoader
+from starlette.types import Scope
+
+from app import cursors, static, steps
+from app.db import AsyncConn
+from app.errors import Problem
+from app.models import NAME_PATTERN
+from app.replica import ReadPool
+from app.serialize import timestamp
+
+HERE = Path(__file__).resolve().parent
+ASSETS = HERE / "assets"
+COOKIE = "steprecord_ui_token"
+CSS = static.url("ui", "ui.css")
+JS = static.url("ui", "ui.js")
+LOGIN = "/ui/login"
+LOGOUT = "/ui/logout"
+# The login form checks the token itself, so it needs none (nor write scope for its POST).
+OPEN_PATHS = frozenset({CSS, JS, LOGIN, LOGOUT})
+PAGE_SIZE = 50
+MAX_STEPS = 1000  # the most steps an instance page shows; the API lists any number
+LIST_SIZE = 100
+MAX_LOGIN_BYTES = 4096
+PREFIX_RE = re.compile(r"[A-Za-z0-9._:-]{1,200}")
+NAME_RE = re.compile(NAME_PATTERN)
+# The timeline: labels take the left LABEL percent of its width, bars the next AREA percent.
+LABEL, AREA = 22.0, 77.0
+LANE, AXIS = 18, 22
+# Long pages are drawn in chunks of steps that the browser lays out only once scrolled into
+# view (`content-visibility: auto`); ROW_HEIGHT is a table row's estimated height in pixels.
+CHUNK = 100
+ROW_HEIGHT = 27
+GLYPHS = {
+    "pending": "○",
+    "running": "▶",
+    "completed": "✓",
+    "failed": "✗",
+    "superseded": "↷",
+    "swept": "⊘",
+}
+
+router = APIRouter(include_in_schema=False)
+
+
+def read_connection(request: Request) -> AbstractAsyncContextManager[AsyncConn]:
+    """The connection every page reads from: the one place that chooses the database (the
+    read replica while it is healthy, else the primary; see app/replica.py)."""
+    reads: ReadPool = request.app.state.read_pool
+    return reads.connection()
+
+
+# --- formatting ------------------------------------------------------------------------
+
+
+def utc(value: datetime | None) -> str:
+    if value is None:
+        return ""
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def iso(value: datetime | None) -> str:
+    return "" if value is None else timestamp(value)
+
+
+def millis(value: datetime | None) -> str:
+    return "" if value is None else str(round(value.timestamp() * 1000))
+
+
+def duration(seconds: float) -> str:
+    """A short human duration: 350 ms, 12.3 s, 4 min 12 s, 2 h 5 min, 3 d 4 h."""
+    seconds = max(seconds, 0.0)
+    if seconds < 1:
+        return f"{round(seconds * 1000)} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    whole = int(seconds)
+    for unit, size, small, small_size in (
+        ("d", 86400, "h", 3600),
+        ("h", 3600, "min", 60),
+        ("min", 60, "s", 1),
+    ):
+        if whole >= size:
+            rest = (whole % size) // small_size
+            return f"{whole // size} {unit}" + (f" {rest} {small}" if rest else "")
+    raise AssertionError("unreachable")
+
+
+def took(start: datetime | None, end: datetime | None, now: datetime) -> str:
+    """How long an attempt ran (so far, when it is still running)."""
+    if start is None:
+        return ""
+    return duration(((end or now) - start).total_seconds())
+
+
+def ago(value: datetime | None, now: datetime) -> str:
+    return "" if value is None else duration((now - value).total_seconds()) + " ago"
+
+
+def pretty(output: str | None) -> str:
+    """A stored output (JSON text), indented for reading."""
+    return "" if output is None else json.dumps(json.loads(output), indent=2, ensure_ascii=False)
+
+
+def link_url(url: str | None) -> str | None:
+    """`url` when it may be a link (http or https only), else None: it is then shown as text."""
+    if url is None:
+        return None
+    try:
+        scheme = urlsplit(url.strip()).scheme.lower()
+    except ValueError:
+        return None
+    return url if scheme in ("http", "https") else None
+
+
+def mark(status: str, error_code: str | None = None) -> str:
+    """The class that styles a status: a swept attempt (its lease expired) is marked apart."""
+    return "swept" if status == "failed" and error_code == "lease_expired" else status
+
+
+def path(*parts: str) -> str:
+    return "/ui/" + "/".join(quote(part, safe="") for part in parts)
+
+
+ENV = Environment(
+    loader=FileSystemLoader(HERE / "templates"),
+    autoescape=True,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+ENV.filters.update(utc=utc, iso=iso, millis=millis, pretty=pretty)
+ENV.globals.update(
+    CSS=CSS, JS=JS, LOGOUT=LOGOUT, LOGIN=LOGIN, GLYPHS=GLYPHS, link_url=link_url, mark=mark,
+    path=path, took=took, ago=ago,
+)  # fmt: skip
+
+
+def render(
+    request: Request | None, template: str, http_status: int = 200, **context: Any
+) -> HTMLResponse:
+    signed_in = request is not None and COOKIE in request.cookies
+    html = ENV.get_template(template).render(now=datetime.now(UTC), signed_in=signed_in, **context)
+    return HTMLResponse(html, status_code=http_status)
+
+
+def not_found(request: Request, what: str) -> HTMLResponse:
+    return render(request, "message.html", 404, title="Not found", message=what)
+
+
+# --- the timeline ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """A step as the instance page shows it, in its table row and its timeline lane."""
+
+    slug: str
+    short: str
+    href: str
+    y: int
+    bars: list[tuple[str, float, float, int, str, str, str]]
+    ordinal: int
+    status: str
+    mark: str
+    glyph: str
+    label: str
+    attempts: int
+    started: str
+    start_ms: str
+    end_ms: str
+    took: str
+    error: str
+    updated: str
+
+
+def label(status: str, error_code: str | None) -> str:
+    """A status in words, as a badge shows it after its glyph."""
+    return "failed, lease expired" if mark(status, error_code) == "swept" else status
+
+
+def shorten(name: str, size: int = 28) -> str:
+    return name if len(name) <= size else name[: size - 1] + "…"
+
+
+def timeline(instance_key: str, records: list[dict[str, Any]], now: datetime) -> dict[str, Any]:
+    """The instance page's rows: the steps table and the timeline's lanes, with every text
+    formatted here (the template only places and escapes them; it renders 1,000 steps fast).
+
+    Bars are placed in percent of the timeline's width; the page's script places them again
+    as running bars grow."""
+    starts = [a["started_at"] for r in records for a in r["attempts"]]
+    ends = [a["completed_at"] or now for r in records for a in r["attempts"]]
+    first, last = (min(starts), max(ends)) if starts else (now, now)
+    # 5% of room past the last end, so running bars grow a while before the scale must change
+    # (the page's script keeps the same rule).
+    last += max(last - first, timedelta(seconds=1)) * 0.05
+    span = (last - first).total_seconds()
+    rows = []
+    steps_path = path("instances", instance_key, "steps") + "/"
+    for index, record in enumerate(records):
+        bars = []
+        for attempt in record["attempts"]:
+            start = (attempt["started_at"] - first).total_seconds() / span
+            end = ((attempt["completed_at"] or now) - first).total_seconds() / span
+            code = attempt["error_code"]
+            bars.append(
+                (
+                    mark(attempt["status"], code),
+                    round(LABEL + start * AREA, 3),
+                    round(max((end - start) * AREA, 0.15), 3),
+                    attempt["attempt"],
+                    millis(attempt["started_at"]),
+                    millis(attempt["completed_at"]),
+                    f"attempt {attempt['attempt']}: {label(attempt['status'], code)}"
+                    + (f" ({code})" if code and code != "lease_expired" else ""),
+                )
+            )
+        status, code = record["status"], record["error_code"]
+        rows.append(
+            Row(
+                slug=record["step_slug"],
+                short=shorten(record["step_slug"]),
+                href=steps_path + quote(record["step_slug"], safe=""),
+                y=(index % CHUNK) * LANE,
+                bars=bars,
+                ordinal=record["ordinal"],
+                status=status,
+                mark=mark(status, code),
+                glyph=GLYPHS[mark(status, code)],
+                label=label(status, code),
+                attempts=record["attempt_count"],
+                started=utc(record["started_at"]),
+                start_ms=millis(record["started_at"]),
+                end_ms=millis(record["completed_at"]),
+                took=took(record["started_at"], record["completed_at"], now),
+                error=code or "",
+                updated=iso(record["updated_at"]),
+            )
+        )
+    chunks = [rows[i : i + CHUNK] for i in range(0, len(rows), CHUNK)] or [[]]
+    return {
+        "chunks": chunks,
+        "first": utc(first) if starts else "",
+        "last": utc(last) if starts else "",
+        "first_ms": millis(first) if starts else "",
+        "last_ms": millis(last) if starts else "",
+        "label": LABEL,
+        "area": AREA,
+        "lane": LANE,
+        "axis": AXIS,
+        "row_height": ROW_HEIGHT,
+    }
+
+
+# --- pages -----------------------------------------------------------------------------
+
+
+@router.get("/ui")
+async def instances_page(request: Request) -> Response:
+    query = request.query_params
+    status = query.get("status") or None
+    has: steps.Trouble | None = "failed" if status == "failed" else None
+    if status == "running":
+        has = "running"
+    prefix = (query.get("prefix") or "").strip() or None
+    errors = []
+    if status not in (None, "failed", "running"):
+        errors.append('The status filter is "has failed steps" or "has running steps".')
+    if prefix is not None and not PREFIX_RE.fullmatch(prefix):
+        errors.append(
+            "A key prefix is 1 to 200 characters of letters, digits and . _ : - (as keys are)."
+        )
+    before = None
+    if query.get("cursor"):
+        try:
+            before = cursors.instances_position(query["cursor"])
+        except Problem:
+            errors.append("That page link is no longer valid: start from the first page.")
+    items: list[dict[str, Any]] = []
+    last = None
+    if not errors:
+        async with read_connection(request) as conn:
+            items, last = await steps.list_instances_with_counts(
+                conn,
+                prefix=prefix,
+                has=has,
+                before=before,
+                limit=PAGE_SIZE,
+            )
+    next_query = None
+    if last is not None:
+        params = {
+            "status": status or "",
+            "prefix": prefix or "",
+            "cursor": cursors.instances_cursor(last),
+        }
+        next_query = "&".join(f"{k}={quote(v)}" for k, v in params.items() if v)
+    return render(
+        request,
+        "instances.html",
+        422 if errors else 200,
+        title="Instances",
+        items=items,
+        status=status or "",
+        prefix=prefix or "",
+        errors=errors,
+        filtered=bool(status or prefix or before),
+        next_query=next_query,
+        base_url=str(request.base_url).rstrip("/"),
+    )
+
+
+@router.get("/ui/instances/{instance_key}")
+async def instance_page(request: Request, instance_key: str) -> Response:
+    if not NAME_RE.fullmatch(instance_key):
+        return not_found(request, "No instance has that key.")
+    async with read_connection(request) as conn:
+        try:
+            instance = await steps.get_instance(conn, instance_key)
+        except steps.InstanceNotFound:
+            return not_found(request, f"No instance has the key {instance_key!r}.")
+        records, more = await steps.instance_steps(conn, instance["id"], limit=MAX_STEPS)
+    now = datetime.now(UTC)
+    return render(
+        request,
+        "instance.html",
+        title=instance_key,
+        instance=instance,
+        records=records,
+        more=more,
+        max_steps=MAX_STEPS,
+        timeline=timeline(instance_key, records, now),
+        stream=f"/v1/instances/{quote(instance_key, safe='')}/stream",
+    )
+
+
+@router.get("/ui/instances/{instance_key}/steps/{step_slug}")
+async def step_page(request: Request, instance_key: str, step_slug: str) -> Response:
+    if not (NAME_RE.fullmatch(instance_key) and NAME_RE.fullmatch(step_slug)):
+        return not_found(request, "No step has that name.")
+    async with read_connection(request) as conn:
+        try:
+            record = await steps.get_step(conn, instance_key, step_slug)
+            page = await steps.list_attempts(
+                conn, instance_key, step_slug, after=None, limit=MAX_STEPS
+            )
+        except steps.InstanceNotFound:
+            return not_found(request, f"No instance has the key {instance_key!r}.")
+        except steps.StepNotFound:
+            return not_found(request, f"Instance {instance_key!r} has no step {step_slug!r}.")
+    return render(
+        request,
+        "step.html",
+        title=f"{step_slug} · {instance_key}",
+        record=record,
+        attempts=page.items,
+        more=page.last is not None,
+    )
+
+
+async def _across(request: Request, *, failed: bool) -> list[dict[str, Any]]:
+    async with read_connection(request) as conn:
+        page = await steps.list_recent(
+            conn,
+            statuses=["failed"] if failed else ["running"],
+            updated_after=None,
+            lease_expired=not failed,
+            before=None,
+            limit=LIST_SIZE,
+        )
+    return page.items
+
+
+@router.get("/ui/failing")
+async def failing_page(request: Request) -> Response:
+    items = await _across(request, failed=True)
+    return render(request, "across.html", title="Failing now", view="failing", items=items)
+
+
+@router.get("/ui/stuck")
+async def stuck_page(request: Request) -> Response:
+    items = await _across(request, failed=False)
+    return render(request, "across.html", title="Stuck", view="stuck", items=items)
+
+
+# --- signing in ------------------------------------------------------------------------
+
+
+def asks_for_login(scope: Scope) -> bool:
+    """Whether a refused request is a page of the dashboard, answered with the login form."""
+    path_ = scope["path"]
+    return scope["method"] in ("GET", "HEAD") and (path_ == "/ui" or path_.startswith("/ui/"))
+
+
+def _safe_next(target: str | None) -> str:
+    """Where to go after signing in: a dashboard page of this service, never elsewhere."""
+    if not target or "\\" in target or "//" in target or ".." in target:
+        return "/ui"
+    return target if target == "/ui" or target.startswith(("/ui/", "/ui?")) else "/ui"
+
+
+def login_page(
+    scope: Scope, message: str | None, status: int = 401, target: str | None = None
+) -> HTMLResponse:
+    """The form asking for a read token; after it, the browser returns to `target` (by default
+    the page that was refused)."""
+    if target is None:
+        query = scope.get("query_string", b"").decode("latin-1")
+        target = scope["path"] + (f"?{query}" if query else "")
+    return render(
+        None, "login.html", status, title="Sign in", message=message, next=_safe_next(target)
+    )
+
+
+def token_from_cookie(header: str) -> str | None:
+    """The dashboard's token from a `Cookie` header, if it carries one."""
+    for part in header.split(";"):
+        name, _, value = part.strip().partition("=")
+        if name == COOKIE and value:
+            return value
+    return None
+
+
+@router.get(LOGIN)
+async def login_form(request: Request) -> Response:
+    return login_page(request.scope, None, 200, target=request.query_params.get("next"))
+
+
+@router.post(LOGIN)
+async def login(request: Request) -> Response:
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_LOGIN_BYTES:
+            return login_page(request.scope, "That is not a token.", 413, target="/ui")
+    form = parse_qs(body.decode("utf-8", "replace"))
+    token = (form.get("token") or [""])[0].strip()
+    target = _safe_next((form.get("next") or [""])[0])
+    scope = request.app.state.tokens.scope_of(token) if token else None
+    if scope is None:
+        return login_page(request.scope, "That token is unknown or revoked.", target=target)
+    response = RedirectResponse(target, status_code=303)
+    response.set_cookie(
+        COOKIE,
+        token,
+        httponly=True,
+        samesite="strict",
+        path="/",
+        secure=request.url.scheme == "https",
+    )
+    return response
+
+
+@router.get(LOGOUT)
+async def logout(request: Request) -> Response:
+    response = RedirectResponse("/ui", status_code=303)
+    response.delete_cookie(
+        COOKIE, path="/", httponly=True, samesite="strict", secure=request.url.scheme == "https"
+    )
+    return response
+
+
+def install(app: FastAPI) -> None:
+    static.mount(app, "ui", ASSETS)
+    app.include_router(router)

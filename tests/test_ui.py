@@ -1,0 +1,569 @@
+"""The dashboard at /ui: its pages over HTTP, its access rules, and in a real browser.
+
+The browser is Debian's chromium driven by Playwright, never a downloaded one. Without
+chromium the browser tests are skipped, except in CI (`CI=true`), where they fail.
+Screenshots go to tests/artifacts/ (ignored by git, kept by CI).
+"""
+
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from html import unescape
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from app import steps
+from app.access import new_token
+from app.cli import migrate
+from tests.conftest import create_database, drop_database, start_server, stop
+from tests.helpers import T0, T1, T2, T3, T4, post
+
+ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SCRIPT = "<script>window.pwned = 1</script>"
+IMAGE = "<img src=x onerror=window.pwned=1>"
+SCRIPT_URL = "javascript://example.com/%0Awindow.pwned=1"
+
+
+def html(client: httpx.Client, path: str, status: int = 200) -> str:
+    response = client.get(path)
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("text/html")
+    return response.text
+
+
+def order_with_history(client: httpx.Client, instance: str = "order-1") -> None:
+    """charge: attempt 1 failed, attempt 2 completed; ship: attempt 1 superseded by a running
+    attempt 2; pack: swept (its lease expired); notify: declared only."""
+    for kind, body in [
+        ("start", {"attempt": 1, "started_at": T0}),
+        ("fail", {"attempt": 1, "completed_at": T1, "error_code": "CardDeclined"}),
+        ("start", {"attempt": 2, "started_at": T2}),
+        ("complete", {"attempt": 2, "completed_at": T3, "output": {"charge_id": "ch_1"}}),
+    ]:
+        assert post(client, kind, body, instance, "charge").status_code < 300
+    assert post(client, "start", {"attempt": 1, "started_at": T3}, instance, "ship").is_success
+    assert post(client, "start", {"attempt": 2, "started_at": T4}, instance, "ship").is_success
+    swept = {"attempt": 1, "completed_at": T4, "error_code": "lease_expired"}
+    assert post(client, "start", {"attempt": 1, "started_at": T1}, instance, "pack").is_success
+    assert post(client, "fail", swept, instance, "pack").is_success
+    assert post(client, "declare", None, instance, "notify").is_success
+
+
+# --- pages over HTTP -------------------------------------------------------------------
+
+
+def test_an_empty_service_says_how_to_report_a_first_step(client: httpx.Client) -> None:
+    page = html(client, "/ui")
+    assert "No instances yet" in page
+    assert "curl -X POST" in page
+    assert "/v1/instances/order-1/steps/charge/start" in page
+
+
+def test_the_instance_list_shows_instances_newest_first_with_step_counts(
+    client: httpx.Client,
+) -> None:
+    order_with_history(client, "order-1")
+    assert post(client, "start", None, "invoice-7", "render").is_success
+    page = html(client, "/ui")
+    assert page.index("invoice-7") < page.index("order-1")
+    row = page[page.index("order-1") :]
+    row = row[: row.index("</tr>")]
+    for text in ("1 failed", "1 running", "1 pending", "1 completed"):
+        assert text in row, row
+
+
+def test_the_list_filters_by_failed_or_running_steps_and_by_key_prefix(
+    client: httpx.Client,
+) -> None:
+    assert post(client, "start", None, "run-a", "s").is_success
+    assert post(client, "start", None, "run-b", "s").is_success
+    fail = {"error_code": "Boom"}
+    assert post(client, "fail", fail, "run-b", "s").is_success
+    assert post(client, "declare", None, "job-c", "s").is_success
+    links = re.compile(r'href="/ui/instances/([^"/]+)"')
+    assert links.findall(html(client, "/ui?status=failed")) == ["run-b"]
+    assert links.findall(html(client, "/ui?status=running")) == ["run-a"]
+    assert links.findall(html(client, "/ui?prefix=run-")) == ["run-b", "run-a"]
+    assert links.findall(html(client, "/ui?prefix=run-&status=running")) == ["run-a"]
+    nothing = html(client, "/ui?prefix=zzz")
+    assert links.findall(nothing) == []
+    assert "No instance matches these filters" in nothing
+
+
+def test_the_list_pages_through_older_instances(client: httpx.Client) -> None:
+    for i in range(55):
+        assert post(client, "declare", None, f"batch-{i:02}", "s").is_success
+    first = html(client, "/ui")
+    assert "batch-54" in first
+    assert "batch-04" not in first
+    older = re.search(r'href="(/ui\?cursor=[^"]+)"', first)
+    assert older is not None
+    second = html(client, older.group(1).replace("&amp;", "&"))
+    assert "batch-04" in second
+    assert "batch-00" in second
+    assert "batch-54" not in second
+
+
+@pytest.mark.parametrize(
+    "query", ["status=stuck", "prefix=%3Cscript%3E", "prefix=a%20b", "cursor=garbled"]
+)
+def test_a_bad_filter_is_a_422_page_that_says_what_is_allowed(
+    client: httpx.Client, query: str
+) -> None:
+    page = html(client, f"/ui?{query}", 422)
+    assert 'class="error"' in page
+    assert "<script>" not in page
+
+
+def test_the_instance_page_has_a_lane_per_step_and_a_bar_per_attempt(
+    client: httpx.Client,
+) -> None:
+    order_with_history(client)
+    page = html(client, "/ui/instances/order-1")
+    lanes = re.findall(r'<g class="lane" data-step="([^"]+)"', page)
+    assert lanes == ["charge", "ship", "pack", "notify"]  # ordinal order
+    bars = re.findall(r'<rect class="bar (\w+)"[^>]*data-attempt="(\d+)"', page)
+    assert bars == [
+        ("failed", "1"),
+        ("completed", "2"),
+        ("superseded", "1"),
+        ("running", "2"),
+        ("swept", "1"),
+    ]
+    assert "failed, lease expired" in page  # in words, not only in colour
+    assert "swept (lease expired)" in page  # the legend
+    assert page.count("<tr data-step=") == 4
+    assert 'data-stream="/v1/instances/order-1/stream"' in page
+
+
+def test_the_step_page_shows_every_attempt_with_its_error_and_output(
+    client: httpx.Client,
+) -> None:
+    order_with_history(client)
+    page = html(client, "/ui/instances/order-1/steps/charge")
+    assert page.index("Attempt 2") < page.index("Attempt 1")  # newest first
+    assert "CardDeclined" in page
+    assert '"charge_id": "ch_1"' in unescape(page)  # pretty-printed: a space after the colon
+    assert "2026-12-02 10:00:00 UTC" in page
+
+
+def test_outputs_and_errors_are_text_never_markup(client: httpx.Client) -> None:
+    assert post(client, "start", None, "x-1", "a").is_success
+    output = {"html": SCRIPT, "img": IMAGE}
+    assert post(client, "complete", {"output": output}, "x-1", "a").is_success
+    assert post(client, "start", None, "x-1", "b").is_success
+    failure = {"error_code": "Boom", "error_message": IMAGE + SCRIPT}
+    assert post(client, "fail", failure, "x-1", "b").is_success
+    for path in ("/ui/instances/x-1/steps/a", "/ui/instances/x-1/steps/b", "/ui/failing"):
+        page = html(client, path)
+        assert "<script>window" not in page
+        assert "<img" not in page
+        assert "&lt;script&gt;window.pwned = 1&lt;/script&gt;" in page or "&lt;img" in page
+
+
+def test_an_external_output_is_a_link_only_for_http_and_https(client: httpx.Client) -> None:
+    assert post(client, "start", None, "x-2", "a").is_success
+    body = {"external_output_url": SCRIPT_URL}
+    assert post(client, "complete", body, "x-2", "a").is_success
+    assert post(client, "start", None, "x-2", "b").is_success
+    body = {"external_output_url": "https://files.example.com/out.json"}
+    assert post(client, "complete", body, "x-2", "b").is_success
+    page = html(client, "/ui/instances/x-2/steps/a")
+    assert 'href="javascript' not in page.lower()
+    assert "javascript://example.com/%0Awindow.pwned=1" in page
+    page = html(client, "/ui/instances/x-2/steps/b")
+    assert 'href="https://files.example.com/out.json"' in page
+
+
+def test_an_unknown_instance_or_step_is_a_404_page(client: httpx.Client) -> None:
+    assert post(client, "declare", None, "known", "a").is_success
+    assert "No instance has the key" in html(client, "/ui/instances/nope", 404)
+    assert "has no step" in html(client, "/ui/instances/known/steps/nope", 404)
+    html(client, "/ui/instances/not%20a%20key", 404)
+
+
+def test_failing_now_and_stuck_list_steps_across_instances(client: httpx.Client) -> None:
+    assert "Nothing is failing" in html(client, "/ui/failing")
+    assert "Nothing is stuck" in html(client, "/ui/stuck")
+    assert post(client, "start", None, "a-1", "s").is_success
+    assert post(client, "fail", {"error_code": "Boom"}, "a-1", "s").is_success
+    assert post(client, "start", {"lease_seconds": 1}, "a-2", "s").is_success
+    failing = html(client, "/ui/failing")
+    assert "a-1" in failing
+    assert "Boom" in failing
+    assert "a-2" not in failing
+    # The lease expires after a second; the sweeper (every 0.2 s here) may then fail the step,
+    # so it is either listed as stuck or, swept, as failing with lease_expired.
+    deadline = time.monotonic() + 10
+    while True:
+        stuck, failing = html(client, "/ui/stuck"), html(client, "/ui/failing")
+        if "a-2" in stuck or "lease_expired" in failing:
+            break
+        assert time.monotonic() < deadline, "the expired lease never showed"
+        time.sleep(0.1)
+
+
+def test_the_assets_are_served_by_the_service(client: httpx.Client) -> None:
+    css = client.get("/static/ui/ui.css")
+    assert css.status_code == 200
+    assert css.headers["content-type"].startswith("text/css")
+    js = client.get("/static/ui/ui.js")
+    assert js.status_code == 200
+    assert "EventSource" in js.text
+    page = html(client, "/ui")
+    assert "//" not in re.sub(r"https?://127\.0\.0\.1:\d+", "", page.split("<main")[0])
+
+
+def test_without_tokens_the_dashboard_is_open_only_where_the_api_is(
+    client: httpx.Client,
+) -> None:
+    refused = client.get("/ui", headers={"X-Forwarded-For": "203.0.113.9"})
+    assert refused.status_code == 401
+    assert 'name="token"' in refused.text
+    assert "proxy" in refused.text
+    assert client.get("/v1/instances", headers={"Via": "1.1 proxy"}).status_code == 401
+
+
+# --- access with tokens ----------------------------------------------------------------
+
+
+def insert_token(database_url: str, name: str, scope: str) -> str:
+    token, digest = new_token()
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO api_token (name, scope, token_sha256) VALUES (%s, %s, %s)",
+            (name, scope, digest),
+        )
+    return token
+
+
+@pytest.fixture(scope="module")
+def guarded(server_dsn: str) -> Iterator[tuple[str, str, str]]:
+    """A server of this module's own with a read and a write token: (url, read, write)."""
+    name = "steprecord_ui_" + uuid.uuid4().hex[:8]
+    database_url = create_database(server_dsn, name)
+    try:
+        migrate(database_url)
+        read = insert_token(database_url, "dashboard", "read")
+        write = insert_token(database_url, "orchestrator", "write")
+        url, proc = start_server(database_url)
+        try:
+            yield url, read, write
+        finally:
+            stop(proc)
+    finally:
+        drop_database(server_dsn, name)
+
+
+def login(url: str, token: str, **headers: str) -> httpx.Response:
+    return httpx.post(
+        f"{url}/ui/login", data={"token": token, "next": "/ui/failing"}, headers=headers
+    )
+
+
+def test_with_tokens_the_dashboard_asks_for_a_token(guarded: tuple[str, str, str]) -> None:
+    url, _, _ = guarded
+    for path in ("/ui", "/ui/instances/x", "/ui/failing"):
+        page = httpx.get(url + path)
+        assert page.status_code == 401
+        assert page.headers["content-type"].startswith("text/html")
+        assert 'name="token"' in page.text
+    api = httpx.get(url + "/v1/instances")
+    assert api.status_code == 401
+    assert api.headers["content-type"].startswith("application/problem+json")
+    assert httpx.get(url + "/static/ui/ui.css").status_code == 200
+
+
+def test_a_wrong_token_shows_the_form_again_with_an_error(guarded: tuple[str, str, str]) -> None:
+    url, _, _ = guarded
+    refused = login(url, "sr_not-a-token")
+    assert refused.status_code == 401
+    assert "unknown or revoked" in refused.text
+    assert 'value="/ui/failing"' in refused.text
+    assert "set-cookie" not in refused.headers
+
+
+def test_a_read_token_is_kept_in_an_httponly_strict_cookie(guarded: tuple[str, str, str]) -> None:
+    url, read, _ = guarded
+    answer = login(url, read)
+    assert answer.status_code == 303
+    assert answer.headers["location"] == "/ui/failing"
+    cookie = answer.headers["set-cookie"]
+    assert cookie.startswith(f"steprecord_ui_token={read};")
+    flags = {part.strip().lower() for part in cookie.split(";")[1:]}
+    assert {"httponly", "samesite=strict", "path=/"} <= flags
+    assert "secure" not in flags  # plain http: a Secure cookie would never come back
+    jar = {"steprecord_ui_token": read}
+    with httpx.Client(base_url=url, cookies=jar) as browser_like:
+        assert browser_like.get("/ui").status_code == 200
+        assert browser_like.get("/v1/instances").status_code == 200  # so the stream works too
+        assert "Log out" in browser_like.get("/ui").text
+
+
+def test_the_cookie_is_secure_when_the_request_was_https(guarded: tuple[str, str, str]) -> None:
+    url, read, _ = guarded
+    answer = login(url, read, **{"X-Forwarded-Proto": "https"})
+    assert answer.status_code == 303
+    flags = {part.strip().lower() for part in answer.headers["set-cookie"].split(";")[1:]}
+    assert "secure" in flags
+
+
+def test_the_cookie_never_grants_write_even_for_a_write_token(
+    guarded: tuple[str, str, str],
+) -> None:
+    url, _, write = guarded
+    assert login(url, write).status_code == 303
+    jar = {"steprecord_ui_token": write}
+    with httpx.Client(base_url=url, cookies=jar) as browser_like:
+        assert browser_like.get("/ui").status_code == 200
+        refused = browser_like.post("/v1/instances/c-1/steps/a/start")
+        assert refused.status_code == 401
+        assert browser_like.post("/v1/events", json={"events": []}).status_code == 401
+    allowed = httpx.post(
+        f"{url}/v1/instances/c-1/steps/a/start", headers={"Authorization": f"Bearer {write}"}
+    )
+    assert allowed.status_code == 201
+
+
+def test_signing_in_returns_only_to_a_dashboard_page(guarded: tuple[str, str, str]) -> None:
+    url, read, _ = guarded
+    for target in ("https://evil.example/", "//evil.example/ui", "/ui/../v1", "/metrics"):
+        answer = httpx.post(f"{url}/ui/login", data={"token": read, "next": target})
+        assert answer.status_code == 303
+        assert answer.headers["location"] == "/ui", target
+
+
+def test_logging_out_clears_the_cookie(guarded: tuple[str, str, str]) -> None:
+    url, read, _ = guarded
+    answer = httpx.get(f"{url}/ui/logout", cookies={"steprecord_ui_token": read})
+    assert answer.status_code == 303
+    cookie = answer.headers["set-cookie"].lower()
+    assert cookie.startswith('steprecord_ui_token="";') or "max-age=0" in cookie
+
+
+# --- the indexes behind the list -------------------------------------------------------
+
+
+@pytest.fixture
+def many_instances(db: psycopg.Connection[tuple[object, ...]]) -> Any:
+    """10^4 instances of 3 steps, a few with failed or running steps (rolled back)."""
+    db.execute("""
+        INSERT INTO process_instance (instance_key, created_at)
+        SELECT CASE WHEN i % 100 = 0 THEN 'job-' ELSE 'run-' END || i,
+               timestamptz '2026-01-01' + i * interval '1 s'
+        FROM generate_series(1, 10000) i
+    """)
+    db.execute("""
+        INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attempt_count,
+                                          started_at, completed_at, error_code)
+        SELECT p.id, 'step-' || s, s, x.status, 1,
+               CASE WHEN x.status <> 'pending' THEN timestamptz '2026-01-01' END,
+               CASE WHEN x.status IN ('completed', 'failed') THEN timestamptz '2026-01-02' END,
+               CASE WHEN x.status = 'failed' THEN 'E' END
+        FROM process_instance p, generate_series(0, 2) s,
+             LATERAL (SELECT CASE WHEN p.id % 500 = 0 AND s = 2 THEN 'failed'
+                                  WHEN p.id % 300 = 0 AND s = 2 THEN 'running'
+                                  ELSE 'completed' END AS status) x
+    """)
+    db.execute("ANALYZE process_instance")
+    db.execute("ANALYZE workflow_step_record")
+    db.execute("ANALYZE workflow_step_attempt")
+    return db
+
+
+def plan(db: Any, sql: str, params: dict[str, Any]) -> str:
+    return "\n".join(str(r[0]) for r in db.execute("EXPLAIN " + sql, params).fetchall())
+
+
+LIST = {"before_created_at": "infinity", "before_id": 0, "limit": 51}
+
+
+# In a database whose collation is C, the unique index on the key is byte-ordered too and the
+# planner may read the prefix from it instead.
+PREFIX = ("ix_process_instance_instance_key_prefix", "uq_process_instance_instance_key")
+# "Has failed/running steps": a probe per instance into the partial index, or, when few
+# records have that status, the status index read first.
+TROUBLE = ("ix_workflow_step_record_running_failed", "ix_workflow_step_record_status_updated_at_id")
+
+
+@pytest.mark.parametrize(
+    ("prefix", "has", "indexes"),
+    [
+        (False, None, ("ix_process_instance_created_at_id",)),
+        (True, None, PREFIX),
+        (False, "failed", TROUBLE),
+        (False, "running", TROUBLE),
+        (True, "running", PREFIX),
+    ],
+)
+def test_each_instance_filter_is_served_by_an_index(
+    many_instances: Any, prefix: bool, has: steps.Trouble | None, indexes: tuple[str, ...]
+) -> None:
+    low, high = steps.prefix_range("job-990")  # one key of 10^4: job-9900
+    like = steps.prefix_pattern("job-990")
+    params = {**LIST, "prefix_low": low, "prefix_high": high, "prefix_like": like}
+    text = plan(many_instances, steps.list_instances_query(prefix=prefix, has=has), params)
+    assert any(index in text for index in indexes), text
+    assert "Seq Scan" not in text, text
+
+
+def test_the_instance_page_reads_steps_and_attempts_by_index(many_instances: Any) -> None:
+    for query in (steps.INSTANCE_STEPS, steps.INSTANCE_ATTEMPTS):
+        params = {"instance_id": 500, "limit": 1001, "last_ordinal": 2}
+        text = plan(many_instances, query, params)
+        assert "Seq Scan" not in text, text
+
+
+def test_a_prefix_range_ends_just_past_the_keys_it_starts() -> None:
+    assert steps.prefix_range("run-") == ("run-", "run.")
+    assert steps.prefix_range("a:9") == ("a:9", "a::")
+    assert steps.prefix_pattern("a_b") == "a\\_b%"
+
+
+# --- in a real browser -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI needs Debian's chromium for the dashboard: apt-get install chromium")
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser, server_url: str) -> Iterator[Page]:
+    context = browser.new_context(base_url=server_url, viewport={"width": 1100, "height": 700})
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
+
+
+def shot(page: Page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def test_the_browser_shows_what_the_api_holds(page: Page, client: httpx.Client) -> None:
+    order_with_history(client)
+    page.goto("/ui")
+    row = page.locator("table.list tbody tr", has_text="order-1")
+    expect(row).to_contain_text("1 failed")
+    expect(row).to_contain_text("1 running")
+    page.click("text=order-1")
+    expect(page.locator("h1")).to_contain_text("order-1")
+    records = client.get("/v1/instances/order-1/steps").json()["items"]
+    table = page.locator("#steps tbody tr")
+    expect(table).to_have_count(len(records))
+    for index, record in enumerate(records):
+        cells = table.nth(index).locator("td")
+        expect(cells.nth(1)).to_have_text(record["step_slug"])
+        expect(cells.nth(2)).to_contain_text(record["status"])
+        expect(cells.nth(3)).to_have_text(str(record["attempt_count"]))
+        lane = page.locator("g.lane").nth(index)
+        expect(lane).to_have_attribute("data-step", record["step_slug"])
+        history = client.get(f"/v1/instances/order-1/steps/{record['step_slug']}/attempts")
+        expect(lane.locator("rect.bar")).to_have_count(len(history.json()["items"]))
+    for bar in page.locator("rect.bar").all():  # every bar has a place and a width
+        assert float((bar.get_attribute("width") or "0%").rstrip("%")) > 0
+    shot(page, "instance")
+
+
+def test_a_write_appears_on_an_open_page_without_a_reload(page: Page, client: httpx.Client) -> None:
+    order_with_history(client)
+    page.goto("/ui/instances/order-1")
+    expect(page.locator("#live")).to_have_text("live", timeout=10_000)
+    page.evaluate("window.notReloaded = true")
+    body = {"attempt": 2, "completed_at": "2026-12-02T10:00:06Z", "output": {"ok": True}}
+    assert post(client, "complete", body, "order-1", "ship").is_success
+    assert post(client, "start", {"attempt": 1, "started_at": T4}, "order-1", "late").is_success
+    ship = page.locator('#steps tr[data-step="ship"]')
+    expect(ship.locator("td.status")).to_contain_text("completed", timeout=10_000)
+    expect(page.locator('g.lane[data-step="ship"] rect.bar.completed')).to_have_count(1)
+    late = page.locator('#steps tr[data-step="late"]')
+    expect(late.locator("td.status")).to_contain_text("running", timeout=10_000)
+    expect(page.locator('g.lane[data-step="late"] rect.bar.running')).to_have_count(1)
+    assert page.evaluate("window.notReloaded") is True
+    shot(page, "instance-live")
+
+
+def test_markup_in_an_output_or_error_is_shown_as_text(page: Page, client: httpx.Client) -> None:
+    assert post(client, "start", None, "x-1", "a").is_success
+    output = {"html": SCRIPT, "img": IMAGE}
+    assert post(client, "complete", {"output": output}, "x-1", "a").is_success
+    assert post(client, "start", None, "x-1", "b").is_success
+    failure = {"error_code": "Boom", "error_message": IMAGE}
+    assert post(client, "fail", failure, "x-1", "b").is_success
+    page.goto("/ui/instances/x-1/steps/a")
+    expect(page.locator("pre.output")).to_contain_text(SCRIPT)
+    expect(page.locator("pre.output")).to_contain_text(IMAGE)
+    page.goto("/ui/instances/x-1/steps/b")
+    expect(page.locator("pre.error-text")).to_have_text(IMAGE)
+    assert page.locator("main img").count() == 0
+    assert page.evaluate("window.pwned") is None
+    shot(page, "step-markup")
+
+
+def test_a_javascript_url_is_not_a_link(page: Page, client: httpx.Client) -> None:
+    assert post(client, "start", None, "x-2", "a").is_success
+    body = {"external_output_url": SCRIPT_URL}
+    assert post(client, "complete", body, "x-2", "a").is_success
+    page.goto("/ui/instances/x-2/steps/a")
+    expect(page.locator("code.nolink")).to_have_text(SCRIPT_URL)
+    assert page.locator("main a[href^='javascript' i]").count() == 0
+    page.locator("code.nolink").click()
+    assert page.evaluate("window.pwned") is None
+
+
+def test_with_a_token_the_browser_gets_in_only_after_entering_a_read_token(
+    browser: Browser, guarded: tuple[str, str, str]
+) -> None:
+    url, read, write = guarded
+    created = httpx.post(
+        f"{url}/v1/instances/t-1/steps/a/start", headers={"Authorization": f"Bearer {write}"}
+    )
+    assert created.status_code in (200, 201)
+    context = browser.new_context(base_url=url)
+    try:
+        page = context.new_page()
+        refused = page.goto("/ui/instances/t-1")
+        assert refused is not None
+        assert refused.status == 401
+        expect(page.locator("input[name=token]")).to_be_visible()
+        page.fill("input[name=token]", "sr_wrong")
+        page.click("button[type=submit]")
+        expect(page.locator(".error")).to_contain_text("unknown or revoked")
+        page.fill("input[name=token]", read)
+        page.click("button[type=submit]")
+        expect(page.locator("h1")).to_contain_text("t-1")
+        assert read not in page.evaluate("document.cookie")  # HttpOnly: scripts never see it
+        expect(page.locator("#live")).to_have_text("live", timeout=10_000)
+        page.click("text=Log out")
+        expect(page.locator("input[name=token]")).to_be_visible()
+    finally:
+        context.close()
