@@ -112,6 +112,9 @@ def test_reads_are_served_by_the_replica(replicated: Replicated) -> None:
         after = reads(replicated.url)
         assert after["replica"] - before["replica"] == len(paths)
         assert after["primary"] == before["primary"]
+        # The dashboard's pages too.
+        for page in ("/ui", "/ui/instances/order-1", "/ui/instances/order-1/steps/charge"):
+            assert served_by(client, page) == "replica"
         # An idle primary does not make the replica look behind: nothing is left to replay.
         time.sleep(2 * MAX_LAG)
         assert served_by(client) == "replica"
