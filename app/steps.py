@@ -13,7 +13,6 @@ from typing import Any, Literal
 import psycopg
 
 from app.db import AsyncConn
-from app.serialize import RECORD_KEYS
 
 Kind = Literal["declare", "start", "complete", "fail", "heartbeat"]
 Outcome = Literal[
@@ -81,9 +80,9 @@ RECORD = (
     " {r}.output::text AS output, {r}.external_output_url, {r}.started_at, {r}.completed_at,"
     " {r}.error_code, {r}.error_message, {r}.created_at, {r}.updated_at, {r}.lease_expires_at"
 )
-# The merge is a function in the database (migration 0006, which holds its SQL and says how it
-# judges): PostgreSQL plans it once per connection, through any pooler, where the statement it
-# runs cost twice its execution time to plan on every call. It takes $1 the events' indexes,
+# The merge is a function in the database (migration 0007 says how it judges; 0008 holds its
+# current SQL): PostgreSQL plans it once per connection, through any pooler, where the statement
+# it runs cost twice its execution time to plan on every call. It takes $1 the events' indexes,
 # then one array per field of `PARAMS`, in order, and answers one row per event (index,
 # outcome, record) with events of distinct steps applied in one statement, each judged as if
 # alone. It runs on a raw cursor: the text is sent as is, never parsed for placeholders.
@@ -115,7 +114,7 @@ PARAMS = (
 )
 
 # A heartbeat extends the lease of the running attempt it names, under the record's row lock;
-# it never changes status, times or attempt_count (a function of migration 0006, like the
+# it never changes status, times or attempt_count (a function of migration 0007, like the
 # merge). Parameters: the events' indexes, then one array per field of `HEARTBEAT_PARAMS`.
 HEARTBEAT = (
     "SELECT * FROM steprecord_heartbeat($1::int[], $2::text[], $3::text[], $4::bigint[], $5::int[])"
@@ -362,75 +361,14 @@ WHERE p.instance_key = %(instance_key)s
 LIST_BY_ORDINAL, LIST_BY_STARTED_AT, LIST_UNSTARTED = _list_queries(RECORD.format(r="r"))
 
 
-def json_timestamp(column: str) -> str:
-    """SQL rendering a timestamptz as the API does (app/serialize.py): UTC with a `Z`,
-    microseconds only when not zero."""
-    return (
-        f"to_char({column} AT TIME ZONE 'UTC', CASE WHEN date_trunc('second', {column}) = {column}"
-        """ THEN 'YYYY-MM-DD"T"HH24:MI:SS"Z"' ELSE 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"' END)"""
-    )
-
-
-JSON_TIMES = ("started_at", "completed_at", "lease_expires_at", "created_at", "updated_at")
-
-
-def _json_record(summary: bool) -> str:
-    """The columns of a record's JSON object, from a row `s` of the page; the stored output
-    (jsonb) passes through as PostgreSQL prints it, as the Python rendering embeds it."""
-    omitted = ("output", "error_message") if summary else ()
-    columns = []
-    for key in RECORD_KEYS:
-        if key in omitted:
-            continue
-        if key == "instance_key":
-            value = "%(instance_key)s::text"
-        elif key in JSON_TIMES:
-            value = json_timestamp(f"s.{key}")
-        else:
-            value = f"s.{key}"
-        columns.append(f"{value} AS {key}")
-    return ", ".join(columns)
-
-
-def _json_page(query: str, order: Order, summary: bool) -> str:
-    """One page as JSON text rendered by PostgreSQL, with the position of its last record.
-
-    `query` yields up to `%(page)s + 1` records; `items` is the JSON objects of the first
-    `%(page)s`, comma-separated, and `last_*` the position of the last of those when more
-    follow (NULL otherwise). `found` is 0 when the instance does not exist.
-    """
-    key = "q.ordinal" if order == "ordinal" else "q.started_at, q.id"
-    lasts = ", ".join(
-        f"CASE WHEN count(q.id) > %(page)s"
-        f" THEN (array_agg(q.{name} ORDER BY {key}))[%(page)s] END AS last_{name}"
-        for name in (("ordinal",) if order == "ordinal" else ("started_at", "id"))
-    )
-    return f"""
-SELECT count(*) AS found,
-       array_to_string((array_agg(q.j ORDER BY {key}))[1:%(page)s], ',') AS items, {lasts}
-FROM (
-    SELECT s.id, s.ordinal, s.started_at,
-           CASE WHEN s.id IS NOT NULL
-                THEN (SELECT row_to_json(x)::text FROM (SELECT {_json_record(summary)}) x)
-           END AS j
-    FROM ({query}) s
-) q
-"""
-
-
-_JSON_COLUMNS = RECORD.format(r="r").replace("r.output::text AS output", "r.output")
-# By (order, whether the cursor is inside the never-started part, fields=summary).
-_ORDERS: tuple[Order, Order, Order] = ("ordinal", "started_at", "started_at")
-JSON_PAGES = {
-    (order, unstarted, summary): _json_page(query, order, summary)
-    for summary in (False, True)
-    for order, unstarted, query in zip(
-        _ORDERS,
-        (False, False, True),
-        _list_queries(_JSON_COLUMNS),
-        strict=True,
-    )
-}
+# A page of an instance's records, rendered as JSON by PostgreSQL (migration 0009 holds the
+# function and says how it reads): planned once per connection, where the statement it runs
+# cost more to plan than to run on every call.
+LIST_STEPS = (
+    "SELECT * FROM steprecord_list_steps(%(instance_key)s::text, %(order)s::text,"
+    " %(after_ordinal)s::integer, %(after_started_at)s::timestamptz, %(after_id)s::bigint,"
+    " %(statuses)s::text[], %(page_size)s::integer, %(summary)s::boolean)"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -463,19 +401,19 @@ async def list_steps(
     """
     params: dict[str, Any] = {
         "instance_key": instance_key,
+        "order": order,
+        "after_ordinal": -1,
+        "after_started_at": "-infinity",
+        "after_id": 0,
         "statuses": list(statuses) if statuses else None,
-        "limit": limit + 1,
-        "page": limit,
+        "page_size": limit,
+        "summary": summary,
     }
-    unstarted = False
-    if order == "ordinal":
-        params["after_ordinal"] = after[0] if after else -1
-    else:
-        started_at, last_id = after if after else ("-infinity", 0)
-        params["after_started_at"] = started_at
-        params["after_id"] = last_id
-        unstarted = started_at is None
-    cur = await conn.execute(JSON_PAGES[order, unstarted, summary], params)
+    if after and order == "ordinal":
+        params["after_ordinal"] = after[0]
+    elif after:
+        params["after_started_at"], params["after_id"] = after
+    cur = await conn.execute(LIST_STEPS, params)
     row = await cur.fetchone()
     if row is None or row["found"] == 0:
         raise InstanceNotFound(instance_key)

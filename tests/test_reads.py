@@ -240,17 +240,19 @@ def test_a_page_rendered_by_postgresql_is_byte_for_byte_the_python_rendering(
         )
     params: dict[str, Any] = {
         "instance_key": "tricky-1",
+        "order": order,
         "statuses": None,
         "after_ordinal": -1,
         "after_started_at": "-infinity",
         "after_id": 0,
         "limit": 8,
-        "page": 7,
+        "page_size": 7,
+        "summary": summary,
     }
     rows_query = steps.LIST_BY_ORDINAL if order == "ordinal" else steps.LIST_BY_STARTED_AT
     with db.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(rows_query, params).fetchall()
-        page = cur.execute(steps.JSON_PAGES[order, False, summary], params).fetchone()
+        page = cur.execute(steps.LIST_STEPS, params).fetchone()
     assert page is not None
     assert len(rows) == 8
     for item in rows:

@@ -366,7 +366,11 @@ def test_migrations_upgrade_downgrade_and_upgrade_again(scratch_database: str) -
     assert {"process_instance", "workflow_step_record", "alembic_version"} <= _tables(
         scratch_database
     )
-    assert _functions(scratch_database) == {"steprecord_apply_events", "steprecord_heartbeat"}
+    assert _functions(scratch_database) == {
+        "steprecord_apply_events",
+        "steprecord_heartbeat",
+        "steprecord_list_steps",
+    }
     config = alembic_config()
     config.attributes["database_url"] = scratch_database
     command.downgrade(config, "base")
