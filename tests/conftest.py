@@ -21,9 +21,11 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from playwright.sync_api import Browser
 
 from app.cli import migrate
 from app.embedded import EmbeddedPostgres
+from tests.helpers import chromium_browser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -252,3 +254,16 @@ def db(database_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
             yield conn
         finally:
             conn.rollback()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """Debian's chromium, one per test module. Without it the browser tests are skipped,
+    except in CI (`CI=true`), where they fail."""
+    try:
+        with chromium_browser() as browser:
+            yield browser
+    except FileNotFoundError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI needs the browser tests: {exc}")
+        pytest.skip(str(exc))

@@ -1,9 +1,13 @@
 """Small helpers shared by the HTTP tests."""
 
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+from playwright.sync_api import Browser, sync_playwright
 
 from app.embedded import EmbeddedPostgres
 
@@ -77,3 +81,29 @@ def make_replica(primary: EmbeddedPostgres, data_dir: Path) -> EmbeddedPostgres:
     )
     replica.start()
     return replica
+
+
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@contextmanager
+def chromium_browser() -> Iterator[Browser]:
+    """Debian's chromium driven by Playwright (never a downloaded browser), closed on exit;
+    FileNotFoundError when it is not installed."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        raise FileNotFoundError("Debian's chromium is not installed: apt-get install chromium")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()

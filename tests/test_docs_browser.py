@@ -4,27 +4,16 @@ The service has an active token, so the pages also prove that the docs and their
 need none (README, "Access"). The browser is Debian's chromium, never a downloaded one.
 """
 
-import shutil
 import uuid
 from collections.abc import Iterator
 
 import psycopg
 import pytest
-from playwright.sync_api import Browser, Page, Route, sync_playwright
+from playwright.sync_api import Browser, Page, Route
 
 from app.access import new_token
 from app.cli import migrate
 from tests.conftest import create_database, drop_database, start_server, stop
-
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +35,6 @@ def guarded_server(server_dsn: str) -> Iterator[str]:
             stop(proc)
     finally:
         drop_database(server_dsn, name)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    chromium = shutil.which("chromium")
-    assert chromium is not None, "these tests need Debian's chromium: apt-get install chromium"
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 @pytest.fixture

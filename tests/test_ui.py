@@ -5,9 +5,7 @@ chromium the browser tests are skipped, except in CI (`CI=true`), where they fai
 Screenshots go to tests/artifacts/ (ignored by git, kept by CI).
 """
 
-import os
 import re
-import shutil
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,7 +16,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Page, expect
 
 from app import steps
 from app.access import new_token
@@ -27,15 +25,6 @@ from tests.conftest import create_database, drop_database, start_server, stop
 from tests.helpers import T0, T1, T2, T3, T4, post
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 SCRIPT = "<script>window.pwned = 1</script>"
 IMAGE = "<img src=x onerror=window.pwned=1>"
 SCRIPT_URL = "javascript://example.com/%0Awindow.pwned=1"
@@ -438,21 +427,6 @@ def test_a_prefix_range_ends_just_past_the_keys_it_starts() -> None:
 
 
 # --- in a real browser -----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI needs Debian's chromium for the dashboard: apt-get install chromium")
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 @pytest.fixture

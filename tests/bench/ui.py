@@ -35,12 +35,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
-from playwright.sync_api import sync_playwright  # noqa: E402
 
 from app.cli import migrate  # noqa: E402
 from app.embedded import EmbeddedPostgres  # noqa: E402
 from tests.conftest import create_database, drop_database, start_server, stop  # noqa: E402
-from tests.test_ui import CHROMIUM_ARGS  # noqa: E402
+from tests.helpers import chromium_browser  # noqa: E402
 
 STEPS = 1000
 KEY = "bench-1000"
@@ -175,8 +174,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--screenshot", type=Path, help="also write the README's picture here")
     args = parser.parse_args()
-    chromium = shutil.which("chromium")
-    if chromium is None:
+    if shutil.which("chromium") is None:
         sys.exit("needs Debian's chromium: apt-get install chromium")
     with database() as url:
         base, proc = start_server(url, env={"STEPRECORD_SWEEP_SECONDS": "0"})
@@ -196,29 +194,25 @@ def main() -> None:
                 size = len(answer.content)
                 if args.screenshot:
                     load_demo_instance(client, "order-1042")
-            with sync_playwright() as playwright:
-                browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-                try:
-                    page = browser.new_page(base_url=base, viewport={"width": 1100, "height": 800})
-                    page.goto(page_path)
-                    loads, served = [], []
-                    for _ in range(args.rounds):
-                        page.goto("about:blank")  # no previous page to unload in the figure
-                        page.goto(page_path, wait_until="load")
-                        timing = page.evaluate(
-                            "(({responseEnd, loadEventEnd}) => [responseEnd, loadEventEnd])"
-                            "(performance.getEntriesByType('navigation')[0])"
-                        )
-                        served.append(timing[0])
-                        loads.append(timing[1])
-                    assert page.locator("rect.bar").count() >= STEPS
-                    if args.screenshot:
-                        page.set_viewport_size({"width": 1000, "height": 600})
-                        page.goto("/ui/instances/order-1042", wait_until="load")
-                        page.wait_for_timeout(300)
-                        page.screenshot(path=str(args.screenshot), full_page=True)
-                finally:
-                    browser.close()
+            with chromium_browser() as browser:
+                page = browser.new_page(base_url=base, viewport={"width": 1100, "height": 800})
+                page.goto(page_path)
+                loads, served = [], []
+                for _ in range(args.rounds):
+                    page.goto("about:blank")  # no previous page to unload in the figure
+                    page.goto(page_path, wait_until="load")
+                    timing = page.evaluate(
+                        "(({responseEnd, loadEventEnd}) => [responseEnd, loadEventEnd])"
+                        "(performance.getEntriesByType('navigation')[0])"
+                    )
+                    served.append(timing[0])
+                    loads.append(timing[1])
+                assert page.locator("rect.bar").count() >= STEPS
+                if args.screenshot:
+                    page.set_viewport_size({"width": 1000, "height": 600})
+                    page.goto("/ui/instances/order-1042", wait_until="load")
+                    page.wait_for_timeout(300)
+                    page.screenshot(path=str(args.screenshot), full_page=True)
         finally:
             stop(proc)
     print(f"instance page, {STEPS} steps, {size // 1024} KiB of HTML, {args.rounds} rounds")
