@@ -383,10 +383,10 @@ async def stream_instance(
         after = live.parse_event_id(last_event_id, "last_event_id")
     else:
         after = (0, 0)
-    state = request.app.state
-    first = await live.read_changes(state.read_pool, instance_key, after)
+    reads, state = _reads(request), request.app.state
+    first = await live.read_changes(reads, instance_key, after)
     return live.EventStream(
-        live.events(state.read_pool, state.hub, instance_key, first, state.stream_heartbeat)
+        live.events(reads, state.hub, instance_key, first, state.stream_heartbeat)
     )
 
 
