@@ -35,6 +35,10 @@ class DatabaseUnavailable(Exception):
     """PostgreSQL cannot be reached (or no connection came free) in time."""
 
 
+class PoolExhausted(DatabaseUnavailable):
+    """Every connection of the pool is in use: the database is busy, not down."""
+
+
 class Pool:
     def __init__(
         self,
@@ -75,16 +79,22 @@ class Pool:
         return None
 
     @asynccontextmanager
-    async def connection(self) -> AsyncIterator[AsyncConn]:
+    async def connection(self, *, wait: bool = True) -> AsyncIterator[AsyncConn]:
+        """A connection; `wait=False`: `PoolExhausted` at once when none is free now."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout  # waiting for a slot and connecting, together
-        self._changed(waiting=1)
-        try:
-            await asyncio.wait_for(self._slots.acquire(), self._timeout)
-        except TimeoutError:
-            raise DatabaseUnavailable("no database connection came free in time") from None
-        finally:
-            self._changed(waiting=-1)
+        if not wait:
+            if self._slots.locked():
+                raise PoolExhausted("every database connection is in use")
+            await self._slots.acquire()  # a free slot is taken at once, without yielding
+        else:
+            self._changed(waiting=1)
+            try:
+                await asyncio.wait_for(self._slots.acquire(), self._timeout)
+            except TimeoutError:
+                raise PoolExhausted("no database connection came free in time") from None
+            finally:
+                self._changed(waiting=-1)
         conn: AsyncConn | None = None
         try:
             conn = self._take_idle()

@@ -4,12 +4,24 @@ The record's triggers notify `steprecord_changes` with the instance's id when a 
 Each worker holds one dedicated session on `STEPRECORD_LISTEN_URL` (LISTEN needs a session,
 which PgBouncer in transaction mode does not keep) and, per notification, sets the "dirty"
 flag of every stream of that instance. A stream then reads what changed since its position
-with one short query on the pool. A flag, not a queue: any number of notifications before a
-stream reads costs one read, so a slow client holds no more than its position and the flag.
+with one short query through the read pool. A flag, not a queue: any number of notifications
+before a stream reads costs one read, so a slow client holds no more than its position and
+the flag.
 
 Nothing is lost while the listener is away: a stream's position, not the notifications,
 says what it has sent, and after the listener reconnects every stream reads once. Each
 keepalive is followed by a read too, so no change can wait longer than one heartbeat.
+
+With a read replica, the reads go to the replica while it is healthy and to the primary
+otherwise; a position means the same on both (see `steps.STREAM_CHANGES`). A notification
+comes from the primary at commit, and the replica may not have replayed that commit yet
+when the woken stream reads. So the listener, after each batch of notifications, asks the
+primary for its WAL position on its own connection and hands it to the streams it wakes as
+their target (a stream keeps the highest), and a stream takes the primary's position once
+when it opens. A read served by the replica before it has replayed to the target counts as
+behind: the stream reads again shortly, as it does for a change waiting behind an older
+transaction, until the replica has caught up or the reads have moved to the primary. A read
+served by the primary has every commit, so it meets the targets set before it.
 """
 
 import asyncio
@@ -23,13 +35,15 @@ from types import FrameType
 from typing import Any
 
 import psycopg
+from psycopg.rows import dict_row
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from app import steps
-from app.db import DatabaseUnavailable, Pool
+from app.db import AsyncConn, DatabaseUnavailable
 from app.errors import validation_problem
 from app.observe import STREAMS_OPEN
+from app.replica import ReadPool
 from app.serialize import dumps, record_json
 
 log = logging.getLogger("steprecord.live")
@@ -51,13 +65,19 @@ KEEPALIVE = b": keepalive\n\n"
 
 
 class Subscription:
-    """One open stream of an instance: set `dirty` when it may have something to read."""
+    """One open stream of an instance: set `dirty` when it may have something to read, and
+    `target`, the primary's WAL position a replica must have replayed for that read."""
 
-    __slots__ = ("dirty", "instance_id")
+    __slots__ = ("dirty", "instance_id", "target")
 
     def __init__(self, instance_id: int) -> None:
         self.instance_id = instance_id
         self.dirty = asyncio.Event()
+        self.target = 0
+
+    def wake(self, target: int = 0) -> None:
+        self.target = max(self.target, target)
+        self.dirty.set()
 
 
 class Hub:
@@ -83,14 +103,14 @@ class Hub:
                 del self._streams[instance_id]
             STREAMS_OPEN.dec()
 
-    def wake(self, instance_id: int) -> None:
+    def wake(self, instance_id: int, target: int = 0) -> None:
         for subscription in self._streams.get(instance_id, ()):
-            subscription.dirty.set()
+            subscription.wake(target)
 
-    def wake_all(self) -> None:
+    def wake_all(self, target: int = 0) -> None:
         for streams in self._streams.values():
             for subscription in streams:
-                subscription.dirty.set()
+                subscription.wake(target)
 
     def close(self) -> None:
         """End every stream (the server is shutting down; clients resume elsewhere)."""
@@ -98,32 +118,57 @@ class Hub:
         self.wake_all()
 
 
-async def keep_listening(conninfo: str, hub: Hub) -> None:
-    """LISTEN for as long as the worker runs, reconnecting with backoff."""
+async def keep_listening(conninfo: str, hub: Hub, *, positions: bool = False) -> None:
+    """LISTEN for as long as the worker runs, reconnecting with backoff. `positions` (a read
+    replica is configured): wake the streams with the primary's WAL position as their target,
+    read after the notifications arrived."""
     failures = 0
     while True:
         try:
             conn = await asyncio.wait_for(
-                psycopg.AsyncConnection.connect(conninfo, autocommit=True), CONNECT_SECONDS
+                psycopg.AsyncConnection.connect(conninfo, autocommit=True, row_factory=dict_row),
+                CONNECT_SECONDS,
             )
             async with conn:
                 await steps.listen(conn)
                 if failures:
                     log.info("listening again for live updates")
                 failures = 0
-                hub.wake_all()  # notifications may have been missed while away
+                # Notifications may have been missed while away.
+                hub.wake_all(await steps.wal_position(conn) if positions else 0)
                 while True:
-                    async for notification in conn.notifies(timeout=CHECK_SECONDS):
-                        with contextlib.suppress(ValueError):
-                            hub.wake(int(notification.payload))
+                    # One batch: those that came while the last query ran, or else the first
+                    # packet to arrive (the next ones wait in the backlog meanwhile).
+                    batch = [n async for n in conn.notifies(timeout=CHECK_SECONDS, stop_after=1)]
                     async with asyncio.timeout(CONNECT_SECONDS):
-                        await steps.ping(conn)
+                        if not batch:
+                            await steps.ping(conn)
+                            continue
+                        target = await steps.wal_position(conn) if positions else 0
+                    for notification in batch:
+                        with contextlib.suppress(ValueError):
+                            hub.wake(int(notification.payload), target)
         except (psycopg.Error, OSError, TimeoutError) as exc:
             log.warning("live-update listener lost its connection: %s", exc)
         except Exception:
             log.exception("live-update listener failed")
         failures = min(failures + 1, 10)
         await asyncio.sleep(min(0.1 * 2**failures, MAX_BACKOFF_SECONDS))
+
+
+async def read_changes(
+    reads: ReadPool, instance_key: str, after: steps.Position, target: int = 0
+) -> steps.Changes:
+    """What changed after `after`, through the read pool. An instance the replica does not
+    have (yet) is looked up on the primary before it counts as unknown."""
+
+    async def work(conn: AsyncConn) -> steps.Changes:
+        return await steps.stream_changes(conn, instance_key, after, target=target)
+
+    try:
+        return await reads.run(work)
+    except steps.InstanceNotReplayed:
+        return await reads.on_primary(work)
 
 
 def parse_event_id(value: str, field: str) -> steps.Position:
@@ -142,12 +187,17 @@ def _frame(record: dict[str, Any]) -> bytes:
 
 
 async def events(
-    pool: Pool, hub: Hub, instance_key: str, first: steps.Changes, heartbeat: float
+    reads: ReadPool, hub: Hub, instance_key: str, first: steps.Changes, heartbeat: float
 ) -> AsyncIterator[bytes]:
     """The stream's body: `first` (what the handler read), then every later change."""
     loop = asyncio.get_running_loop()
     behind_delay, behind_since = BEHIND_SECONDS, None
     with hub.subscribe(first.instance_id) as subscription:
+        if reads.replica is not None:
+            # Commits from before the subscription woke no one: a replica must have them too.
+            with contextlib.suppress(DatabaseUnavailable):
+                subscription.wake(await reads.primary_position())
+        covered = 0  # the highest target a read has met
         changes: steps.Changes | None = first
         position = first.position
         last_sent = loop.time()
@@ -180,14 +230,19 @@ async def events(
             now = loop.time()
             if subscription.dirty.is_set() or (read_at is not None and now >= read_at):
                 subscription.dirty.clear()
+                pending = subscription.target
                 try:
-                    async with pool.connection() as conn:
-                        changes = await steps.stream_changes(conn, instance_key, position)
+                    changes = await read_changes(
+                        reads, instance_key, position, pending if pending > covered else 0
+                    )
                 except steps.InstanceNotFound:
                     return
                 except DatabaseUnavailable as exc:
                     log.warning("stream of %s: read failed, trying again: %s", instance_key, exc)
                     read_at = now + RETRY_SECONDS
+                else:
+                    if changes.caught_up:
+                        covered = max(covered, pending)
             elif now >= last_sent + heartbeat:
                 yield KEEPALIVE
                 last_sent = now

@@ -87,7 +87,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         listen_url = settings.listen_url or settings.database_url
         tasks = [
             asyncio.create_task(tokens.keep_loading()),
-            asyncio.create_task(live.keep_listening(listen_url.get_secret_value(), app.state.hub)),
+            asyncio.create_task(
+                live.keep_listening(
+                    listen_url.get_secret_value(), app.state.hub, positions=read_url is not None
+                )
+            ),
         ]
         if settings.sweep_seconds > 0:
             tasks.append(

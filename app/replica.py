@@ -4,7 +4,10 @@
 replica while the replica is healthy, otherwise on the primary. A replica read that fails (the
 connection lost, refused, cancelled) is run once more on the primary (reads are idempotent)
 and the replica is marked down until the background check finds it healthy again, so a read
-never fails because of the replica. Without a replica every read runs on the primary.
+never fails because of the replica. A replica whose connections are all busy is not down: the
+read that finds none free goes to the primary at once, and the next ones try the replica
+again. Without a replica every read runs on the primary. The live-update streams read
+through it too (see `app.live` for how they stay exact across the two servers).
 
 How the lag is measured (every `check_interval(max_lag)` seconds, in the background, never per
 request). Each round first asks the primary for its WAL write position and notes the
@@ -36,7 +39,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from app import observe, steps
-from app.db import AsyncConn, DatabaseUnavailable, Pool
+from app.db import AsyncConn, DatabaseUnavailable, Pool, PoolExhausted
 
 T = TypeVar("T")
 log = logging.getLogger("steprecord.replica")
@@ -58,30 +61,47 @@ class ReadPool:
         self.downs = 0
 
     async def run(self, work: Callable[[AsyncConn], Awaitable[T]]) -> T:
-        """`work` on a read connection; on the primary when the replica fails it."""
+        """`work` on a read connection; on the primary when the replica fails it, or when
+        every connection to the replica is busy right now (a busy replica is not a down one:
+        it stays in use, and this one read goes to the primary without waiting)."""
         if self.replica is not None and self.healthy:
             try:
-                async with self.replica.connection() as conn:
+                async with self.replica.connection(wait=False) as conn:
                     result = await work(conn)
+            except PoolExhausted:
+                pass
             except DatabaseUnavailable as exc:
                 self.mark_down(str(exc))
             else:
                 observe.count_read("replica")
                 return result
+        return await self.on_primary(work)
+
+    async def on_primary(self, work: Callable[[AsyncConn], Awaitable[T]]) -> T:
+        """`work` on the primary, whatever the replica's state."""
         async with self.primary.connection() as conn:
             result = await work(conn)
         observe.count_read("primary")
         return result
 
+    async def primary_position(self) -> int:
+        """The primary's WAL position now: a read that has replayed to it has every commit
+        acknowledged before this call."""
+        async with self.primary.connection() as conn:
+            return await steps.wal_position(conn)
+
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[AsyncConn]:
         """A read connection for work done in several steps (a dashboard page): the replica
-        while healthy, the primary when the replica cannot give one. Unlike `run`, a failure
-        after that is not repeated on the primary; it marks the replica down all the same."""
+        while healthy, the primary when the replica cannot give one (or has none free right
+        now). Unlike `run`, a failure after that is not repeated on the primary; it marks the
+        replica down all the same."""
         if self.replica is not None and self.healthy:
             stack = contextlib.AsyncExitStack()
             try:
-                conn = await stack.enter_async_context(self.replica.connection())
+                conn = await stack.enter_async_context(self.replica.connection(wait=False))
+            except PoolExhausted:
+                pass
             except DatabaseUnavailable as exc:
                 self.mark_down(str(exc))
             else:

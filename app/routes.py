@@ -383,12 +383,10 @@ async def stream_instance(
         after = live.parse_event_id(last_event_id, "last_event_id")
     else:
         after = (0, 0)
-    pool = _pool(request)
-    async with pool.connection() as conn:
-        first = await steps.stream_changes(conn, instance_key, after)
-    state = request.app.state
+    reads, state = _reads(request), request.app.state
+    first = await live.read_changes(reads, instance_key, after)
     return live.EventStream(
-        live.events(pool, state.hub, instance_key, first, state.stream_heartbeat)
+        live.events(reads, state.hub, instance_key, first, state.stream_heartbeat)
     )
 
 

@@ -716,32 +716,44 @@ STREAM_PAGE = 500
 # A stream's read: the records of an instance after a position `(changed_xid, id)`, in that
 # order, but only those written by transactions below the horizon, before which every
 # transaction that could write this database has ended, so no record can still appear there
-# later. The horizon is the oldest transaction still running at this very statement's snapshot,
-# skipping those that the activity view shows working in another database (a cluster's other
-# databases never write here; one that already ended by the time the view is read counts as
-# ours, to be safe), or the snapshot's xmax when none is left. The activity view is read only
-# when some transaction is running, and then once. The position after a read is
-# (horizon, 0), so a change is never sent twice and never skipped. `behind` says whether a
-# visible record at or above the horizon waits for an older transaction still in flight; the
-# stream then reads again shortly.
+# later. On the primary the horizon is the oldest transaction still running at this very
+# statement's snapshot, skipping those that the activity view shows working in another
+# database (a cluster's other databases never write here; one that already ended by the time
+# the view is read counts as ours, to be safe), or the snapshot's xmax when none is left. The
+# activity view is read only when some transaction is running, and then once. On a standby
+# the snapshot lists no running transaction (in recovery PostgreSQL keeps the primary's
+# transactions among the snapshot's subtransactions) and the activity view knows none of
+# them, but the snapshot's xmin is the oldest of them still running as far as replay got: the
+# horizon there, other databases' transactions included. The position after a read is
+# (horizon, 0), so a change is never sent twice and never skipped, whichever server each read
+# goes to (a position from the primary may be ahead of a lagging standby's horizon: the read
+# then finds nothing new and the position stays). `behind` says whether a visible record
+# beyond the position, at or above the horizon, waits for an older transaction still in
+# flight; the stream then reads again shortly. An unknown instance still yields one row
+# (without an instance id), which says whether a standby answered.
 STREAM_CHANGES = f"""
-WITH now AS MATERIALIZED (SELECT pg_current_snapshot() AS snapshot),
+WITH now AS MATERIALIZED (
+    SELECT pg_current_snapshot() AS snapshot, pg_is_in_recovery() AS standby
+),
 elsewhere AS MATERIALIZED (
     SELECT a.backend_xid FROM pg_stat_activity a
     WHERE a.backend_xid IS NOT NULL AND a.datname <> current_database()
 ),
 w AS MATERIALIZED (
-    SELECT least(pg_snapshot_xmax(now.snapshot), (
-        SELECT x FROM pg_snapshot_xip(now.snapshot) AS x
-        WHERE x::xid NOT IN (SELECT backend_xid FROM elsewhere)
-        ORDER BY x LIMIT 1)) AS horizon
+    SELECT now.standby, CASE WHEN now.standby THEN pg_snapshot_xmin(now.snapshot)
+        ELSE least(pg_snapshot_xmax(now.snapshot), (
+            SELECT x FROM pg_snapshot_xip(now.snapshot) AS x
+            WHERE x::xid NOT IN (SELECT backend_xid FROM elsewhere)
+            ORDER BY x LIMIT 1)) END AS horizon
     FROM now
 )
-SELECT p.id AS instance_id, w.horizon::text AS horizon,
+SELECT w.standby, p.id AS instance_id, w.horizon::text AS horizon,
        EXISTS (SELECT FROM workflow_step_record l
-               WHERE l.instance_id = p.id AND l.changed_xid >= w.horizon) AS behind,
+               WHERE l.instance_id = p.id AND l.changed_xid >= w.horizon
+                 AND (l.changed_xid, l.id) > (%(after_xid)s::text::xid8, %(after_id)s::bigint)
+       ) AS behind,
        s.*
-FROM process_instance p CROSS JOIN w
+FROM w LEFT JOIN process_instance p ON p.instance_key = %(instance_key)s
 LEFT JOIN LATERAL (
     SELECT r.changed_xid::text AS changed_xid, {RECORD.format(r="r")}
     FROM workflow_step_record r
@@ -751,10 +763,13 @@ LEFT JOIN LATERAL (
     ORDER BY r.changed_xid, r.id
     LIMIT %(limit)s
 ) s ON true
-WHERE p.instance_key = %(instance_key)s
 """
 
 Position = tuple[int, int]  # (changed_xid, id) of the last change sent
+
+
+class InstanceNotReplayed(InstanceNotFound):
+    """No such instance on a standby: the primary may have it, not replayed there yet."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -763,13 +778,27 @@ class Changes:
     records: list[dict[str, Any]]  # each with its `changed_xid` (an int)
     position: Position  # where the next read starts
     more: bool  # a full page: read on at once
-    behind: bool  # a committed change waits for an older transaction: read again shortly
+    behind: bool  # a change waits (for an older transaction, or for replay): read again shortly
+    caught_up: bool  # the read saw every commit up to `target` (always, on the primary)
 
 
 async def stream_changes(
-    conn: AsyncConn, instance_key: str, after: Position, limit: int = STREAM_PAGE
+    conn: AsyncConn,
+    instance_key: str,
+    after: Position,
+    limit: int = STREAM_PAGE,
+    *,
+    target: int = 0,
 ) -> Changes:
-    """The instance's records changed after `after`, up to the horizon (see above)."""
+    """The instance's records changed after `after`, up to the horizon (see above).
+
+    `target`: a primary WAL position (`wal_position`) whose commits the read must see. A
+    standby that has not replayed that far yet answers `behind`, not `caught_up`. Its replay
+    position is read in a statement of its own before the read, whose snapshot then has all it
+    had replayed: read in the same statement, it could have moved on after that statement's
+    snapshot.
+    """
+    replayed = await replay_position(conn) if target else None
     params = {
         "instance_key": instance_key,
         "after_xid": str(after[0]),
@@ -778,22 +807,26 @@ async def stream_changes(
     }
     cur = await conn.execute(STREAM_CHANGES, params)
     rows = await cur.fetchall()
-    if not rows:
-        raise InstanceNotFound(instance_key)
-    instance_id, horizon, behind = rows[0]["instance_id"], rows[0]["horizon"], rows[0]["behind"]
+    first = rows[0]
+    standby, instance_id, horizon = first["standby"], first["instance_id"], first["horizon"]
+    behind = first["behind"]
+    if instance_id is None:
+        raise (InstanceNotReplayed if standby else InstanceNotFound)(instance_key)
+    lagging = replayed is not None and replayed < target
     records = []
     for row in rows:
         if row["id"] is None:
             continue
-        for key in ("instance_id", "horizon", "behind"):
+        for key in ("standby", "instance_id", "horizon", "behind"):
             del row[key]
         row["changed_xid"] = int(row["changed_xid"])
         records.append(_record(row, instance_key))
     if len(records) == limit:
         last = records[-1]
-        return Changes(instance_id, records, (last["changed_xid"], last["id"]), True, True)
+        position = (last["changed_xid"], last["id"])
+        return Changes(instance_id, records, position, True, True, not lagging)
     position = max(after, (int(horizon), 0))
-    return Changes(instance_id, records, position, False, behind)
+    return Changes(instance_id, records, position, False, behind or lagging, not lagging)
 
 
 async def listen(conn: psycopg.AsyncConnection[Any]) -> None:
@@ -942,6 +975,18 @@ async def wal_position(conn: AsyncConn) -> int:
     row = await cur.fetchone()
     assert row is not None
     return int(row["lsn"])
+
+
+async def replay_position(conn: AsyncConn) -> int | None:
+    """How far a standby has replayed the primary's WAL, in bytes; None on a primary (also on
+    a promoted one, where the last replayed position stands still)."""
+    cur = await conn.execute(
+        "SELECT CASE WHEN pg_is_in_recovery()"
+        " THEN (pg_last_wal_replay_lsn() - '0/0')::bigint END AS replayed"
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    return None if row["replayed"] is None else int(row["replayed"])
 
 
 async def replay_state(conn: AsyncConn) -> dict[str, Any]:

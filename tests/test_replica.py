@@ -2,12 +2,15 @@
 made from it with `pg_basebackup -R`, and a service whose reads go to the replica while it is
 healthy and to the primary otherwise, never failing because of the replica."""
 
+import contextlib
+import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -16,10 +19,12 @@ from psycopg.conninfo import make_conninfo
 
 from app.cli import migrate
 from app.embedded import EmbeddedPostgres
+from app.live import MAX_BEHIND_SECONDS
 from app.replica import check_interval
 from tests.conftest import start_server, stop
 from tests.helpers import make_replica
 from tests.test_operations import metric
+from tests.test_stream import Event, Stream
 
 MAX_LAG = 1.0
 # The bound plus two checks, and a second for a busy machine.
@@ -34,8 +39,9 @@ class Replicated:
     banner: Path
 
 
-@pytest.fixture
-def replicated(tmp_path: Path) -> Iterator[Replicated]:
+@contextlib.contextmanager
+def replicated_service(tmp_path: Path, **settings: str) -> Iterator[Replicated]:
+    """A primary, its replica and a service reading from it (with `settings` on top)."""
     primary = EmbeddedPostgres(tmp_path / "primary")
     primary.start()
     try:
@@ -48,6 +54,7 @@ def replicated(tmp_path: Path) -> Iterator[Replicated]:
                 "STEPRECORD_READ_DATABASE_URL": make_conninfo(replica.url, password="s3cret"),
                 "STEPRECORD_READ_MAX_LAG_SECONDS": str(MAX_LAG),
                 "STEPRECORD_SWEEP_SECONDS": "0",
+                **settings,
             }
             with banner.open("wb") as err:
                 url, proc = start_server(primary.url, env=env, stderr=err)
@@ -59,6 +66,12 @@ def replicated(tmp_path: Path) -> Iterator[Replicated]:
             replica.stop()
     finally:
         primary.stop()
+
+
+@pytest.fixture
+def replicated(tmp_path: Path) -> Iterator[Replicated]:
+    with replicated_service(tmp_path) as service:
+        yield service
 
 
 def reads(url: str) -> dict[str, float]:
@@ -211,3 +224,193 @@ def metric_value(url: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"no {name} in the metrics")
+
+
+# --- the live-update stream through the replica -------------------------------------------
+
+
+def replica_has(replicated: Replicated, step: str, instance: str = "order-1") -> bool:
+    with psycopg.connect(replicated.replica.url, autocommit=True) as standby:
+        row = standby.execute(
+            "SELECT count(*) FROM workflow_step_record r JOIN process_instance p"
+            " ON p.id = r.instance_id WHERE p.instance_key = %s AND r.step_slug = %s",
+            (instance, step),
+        ).fetchone()
+    return row == (1,)
+
+
+def no_event_for(stream: Stream, seconds: float) -> None:
+    """Nothing but keepalives arrives for `seconds`."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        with contextlib.suppress(queue.Empty):
+            item = stream.next_item(left)
+            assert not isinstance(item, Event), f"unexpected {item}"
+
+
+@contextlib.contextmanager
+def streaming(url: str, instance: str = "order-1", **kwargs: Any) -> Iterator[Stream]:
+    stream = Stream(f"{url}/v1/instances/{instance}/stream", **kwargs)
+    try:
+        yield stream
+    finally:
+        stream.close()
+
+
+def test_a_stream_is_served_by_the_replica(replicated: Replicated) -> None:
+    with httpx.Client(base_url=replicated.url, timeout=10) as client:
+        start(client, "order-1", "charge")
+        eventually(lambda: served_by(client) == "replica")
+        eventually(lambda: replica_has(replicated, "charge"))
+        before = reads(replicated.url)
+        with streaming(replicated.url) as stream:
+            assert stream.next_event().record["step_slug"] == "charge"
+            start(client, "order-1", "ship")
+            assert stream.next_event().record["step_slug"] == "ship"
+            after = reads(replicated.url)
+    # The snapshot, the read when the stream subscribed, the read the write woke.
+    assert after["replica"] >= before["replica"] + 3
+    assert after["primary"] == before["primary"]
+
+
+def test_a_stream_on_the_replica_waits_for_an_older_open_transaction_of_the_primary(
+    replicated: Replicated,
+) -> None:
+    """On a standby the snapshot lists no running transaction: the horizon is its xmin. A
+    later write, committed and replayed first, is not sent past the older one's change."""
+    with httpx.Client(base_url=replicated.url, timeout=10) as client:
+        start(client, "order-1", "old")
+        eventually(lambda: served_by(client) == "replica")
+        eventually(lambda: replica_has(replicated, "old"))
+        with streaming(replicated.url) as stream:
+            assert stream.next_event().record["step_slug"] == "old"
+            with psycopg.connect(replicated.primary.url) as older:
+                older.execute(
+                    "UPDATE workflow_step_record SET updated_at = now() WHERE step_slug = 'old'"
+                )
+                start(client, "order-1", "new")  # a later transaction, committed first
+                eventually(lambda: replica_has(replicated, "new"))
+                before = reads(replicated.url)
+                no_event_for(stream, 1.0)
+                waiting = reads(replicated.url)
+                older.commit()
+            got = stream.events(2)
+            after = reads(replicated.url)
+            resumed_after = got[-1].id
+        with streaming(replicated.url, headers={"Last-Event-ID": resumed_after}) as resumed:
+            no_event_for(resumed, 1.0)
+    assert [event.record["step_slug"] for event in got] == ["old", "new"]
+    xid_id = [tuple(int(part) for part in event.id.split("-")) for event in got]
+    assert xid_id == sorted(xid_id)
+    # Meanwhile the stream kept reading, on the replica only.
+    assert waiting["replica"] > before["replica"]
+    assert after["primary"] == before["primary"]
+
+
+def test_a_write_reaches_a_stream_while_replay_is_paused_and_nothing_is_repeated(
+    replicated: Replicated,
+) -> None:
+    with (
+        httpx.Client(base_url=replicated.url, timeout=10) as client,
+        psycopg.connect(replicated.replica.url, autocommit=True) as standby,
+    ):
+        start(client, "order-1", "a")
+        eventually(lambda: served_by(client) == "replica")
+        eventually(lambda: replica_has(replicated, "a"))
+        with streaming(replicated.url) as stream:
+            sent = [stream.next_event()]
+            standby.execute("SELECT pg_wal_replay_pause()")
+            eventually(
+                lambda: (
+                    standby.execute("SELECT pg_get_wal_replay_pause_state()").fetchone()
+                    == ("paused",)
+                )
+            )
+            # An instance the replica does not have yet is looked up on the primary: no 404.
+            start(client, "fresh", "x")
+            with streaming(replicated.url, "fresh") as fresh:
+                assert fresh.next_event().record["step_slug"] == "x"
+            began = time.monotonic()
+            start(client, "order-1", "b")
+            sent.append(stream.next_event())
+            # The replica is bypassed within the bound, and the stream reads at least once a
+            # second while its read is behind.
+            assert time.monotonic() - began < BYPASS_WITHIN + MAX_BEHIND_SECONDS
+            assert metric_value(replicated.url, "steprecord_read_replica_in_use") == 0
+            start(client, "order-1", "c")
+            sent.append(stream.next_event())
+            standby.execute("SELECT pg_wal_replay_resume()")
+            eventually(lambda: metric_value(replicated.url, "steprecord_read_replica_in_use") == 1)
+            before = reads(replicated.url)
+            start(client, "order-1", "d")
+            sent.append(stream.next_event())
+            assert reads(replicated.url)["replica"] > before["replica"]
+            no_event_for(stream, 1.0)
+        with streaming(replicated.url, headers={"Last-Event-ID": sent[1].id}) as resumed:
+            missed = resumed.events(2)
+            no_event_for(resumed, 1.0)
+        with streaming(replicated.url) as fresh:
+            snapshot = fresh.events(4)
+    assert [event.record["step_slug"] for event in sent] == ["a", "b", "c", "d"]
+    assert [event.id for event in missed] == [event.id for event in sent[2:]]
+    assert [event.id for event in snapshot] == [event.id for event in sent]
+
+
+def test_a_busy_replica_pool_sends_the_read_to_the_primary_and_stays_in_use(
+    tmp_path: Path,
+) -> None:
+    """One connection to each server; a read on the replica holds the one it has (waiting for
+    a lock replayed from the primary): another read goes to the primary at once."""
+    with (
+        replicated_service(
+            tmp_path, STEPRECORD_POOL_SIZE="1", STEPRECORD_DB_TIMEOUT="4"
+        ) as replicated,
+        httpx.Client(base_url=replicated.url, timeout=10) as client,
+        psycopg.connect(replicated.replica.url, autocommit=True) as standby,
+        psycopg.connect(replicated.primary.url) as locker,
+    ):
+        start(client, "order-1", "charge")
+        eventually(lambda: served_by(client) == "replica")
+        eventually(lambda: replica_has(replicated, "charge"))
+        locker.execute("LOCK TABLE workflow_step_attempt IN ACCESS EXCLUSIVE MODE")
+        # A commit flushes the WAL, the lock's record with it, to the replica.
+        with psycopg.connect(replicated.primary.url, autocommit=True) as other:
+            other.execute("INSERT INTO process_instance (instance_key) VALUES ('flush')")
+        eventually(
+            lambda: (
+                standby.execute(
+                    "SELECT count(*) FROM pg_locks WHERE mode = 'AccessExclusiveLock'"
+                    " AND relation = 'workflow_step_attempt'::regclass"
+                ).fetchone()
+                == (1,)
+            )
+        )
+        blocked: list[httpx.Response] = []
+        reader = threading.Thread(
+            target=lambda: blocked.append(client.get("/v1/instances/order-1/steps/charge/attempts"))
+        )
+        reader.start()
+        try:
+            eventually(
+                lambda: (
+                    standby.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    ).fetchone()
+                    == (1,)
+                )
+            )
+            before = reads(replicated.url)
+            began = time.monotonic()
+            response = client.get("/v1/instances")
+            took = time.monotonic() - began
+            after = reads(replicated.url)
+            in_use = metric_value(replicated.url, "steprecord_read_replica_in_use")
+        finally:
+            locker.rollback()
+            reader.join()
+        assert response.status_code == 200, response.text
+        assert after == {"replica": before["replica"], "primary": before["primary"] + 1}
+        assert took < 2.0  # not after waiting for the replica's connection (4 s)
+        assert in_use == 1
+        assert [r.status_code for r in blocked] == [200]
+        assert served_by(client) == "replica"
