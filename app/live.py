@@ -8,8 +8,11 @@ with one short query through the read pool. A flag, not a queue: any number of n
 before a stream reads costs one read, so a slow client holds no more than its position and
 the flag.
 
+The listener's session is open only while the worker has a stream open: a worker without
+streams has nothing to wake, and receiving a notification for every write it and every other
+worker takes would cost it CPU for nothing (a tenth of a worker's time under a batch load).
 Nothing is lost while the listener is away: a stream's position, not the notifications,
-says what it has sent, and after the listener reconnects every stream reads once. Each
+says what it has sent, and once the listener (re)starts every stream reads once. Each
 keepalive is followed by a read too, so no change can wait longer than one heartbeat.
 
 With a read replica, the reads go to the replica while it is healthy and to the primary
@@ -49,6 +52,8 @@ from app.serialize import dumps, record_json
 log = logging.getLogger("steprecord.live")
 
 CHECK_SECONDS = 10.0  # how often an idle listener proves its connection alive
+IDLE_SECONDS = 1.0  # how soon a listener notices that no stream is left, and lets go
+LISTENER_NAME = "steprecord live updates"  # its application_name
 CONNECT_SECONDS = 5.0
 MAX_BACKOFF_SECONDS = 5.0
 # While a committed change waits behind an older transaction, a stream reads again after this
@@ -86,6 +91,7 @@ class Hub:
     def __init__(self) -> None:
         self._streams: dict[int, set[Subscription]] = {}
         self.closing = False
+        self.wanted = asyncio.Event()  # set while a stream is open: the listener is needed
 
     @contextlib.contextmanager
     def subscribe(self, instance_id: int) -> Iterator[Subscription]:
@@ -93,6 +99,7 @@ class Hub:
         # A change may have committed between the stream's first read and now: read once more.
         subscription.dirty.set()
         self._streams.setdefault(instance_id, set()).add(subscription)
+        self.wanted.set()
         STREAMS_OPEN.inc()
         try:
             yield subscription
@@ -101,6 +108,8 @@ class Hub:
             streams.discard(subscription)
             if not streams:
                 del self._streams[instance_id]
+            if not self._streams:
+                self.wanted.clear()
             STREAMS_OPEN.dec()
 
     def wake(self, instance_id: int, target: int = 0) -> None:
@@ -119,14 +128,18 @@ class Hub:
 
 
 async def keep_listening(conninfo: str, hub: Hub, *, positions: bool = False) -> None:
-    """LISTEN for as long as the worker runs, reconnecting with backoff. `positions` (a read
-    replica is configured): wake the streams with the primary's WAL position as their target,
-    read after the notifications arrived."""
+    """LISTEN while this worker has a stream open, reconnecting with backoff. `positions` (a
+    read replica is configured): wake the streams with the primary's WAL position as their
+    target, read after the notifications arrived."""
+    loop = asyncio.get_running_loop()
     failures = 0
     while True:
+        await hub.wanted.wait()
         try:
             conn = await asyncio.wait_for(
-                psycopg.AsyncConnection.connect(conninfo, autocommit=True, row_factory=dict_row),
+                psycopg.AsyncConnection.connect(
+                    conninfo, autocommit=True, row_factory=dict_row, application_name=LISTENER_NAME
+                ),
                 CONNECT_SECONDS,
             )
             async with conn:
@@ -134,20 +147,24 @@ async def keep_listening(conninfo: str, hub: Hub, *, positions: bool = False) ->
                 if failures:
                     log.info("listening again for live updates")
                 failures = 0
-                # Notifications may have been missed while away.
+                # Notifications may have been missed before, or while away.
                 hub.wake_all(await steps.wal_position(conn) if positions else 0)
-                while True:
+                checked = loop.time()
+                while hub.wanted.is_set():
                     # One batch: those that came while the last query ran, or else the first
                     # packet to arrive (the next ones wait in the backlog meanwhile).
-                    batch = [n async for n in conn.notifies(timeout=CHECK_SECONDS, stop_after=1)]
+                    batch = [n async for n in conn.notifies(timeout=IDLE_SECONDS, stop_after=1)]
                     async with asyncio.timeout(CONNECT_SECONDS):
                         if not batch:
-                            await steps.ping(conn)
+                            if loop.time() - checked >= CHECK_SECONDS:
+                                await steps.ping(conn)
+                                checked = loop.time()
                             continue
                         target = await steps.wal_position(conn) if positions else 0
                     for notification in batch:
                         with contextlib.suppress(ValueError):
                             hub.wake(int(notification.payload), target)
+            continue  # no stream is left: no session until the next one opens
         except (psycopg.Error, OSError, TimeoutError) as exc:
             log.warning("live-update listener lost its connection: %s", exc)
         except Exception:

@@ -19,6 +19,7 @@ import psycopg
 import pytest
 
 from app.access import new_token
+from app.live import LISTENER_NAME
 from tests.conftest import migrated_database, start_server, stop
 from tests.helpers import T1, T2, T3, post, problem, step_path
 
@@ -326,6 +327,32 @@ def test_a_client_that_goes_away_is_unsubscribed_and_the_server_serves_on(
     eventually(lambda: streams_open(client) == 0)
     post(client, "start")
     assert open_stream().next_event().record["status"] == "running"
+
+
+def test_a_worker_listens_only_while_it_has_a_stream_open(
+    client: httpx.Client, open_stream: Callable[..., Stream], database_url: str
+) -> None:
+    """Without streams there is no listener session, so writes cost no worker a notification."""
+
+    def listeners() -> int:
+        with psycopg.connect(database_url) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND application_name = %s",
+                (LISTENER_NAME,),
+            ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    post(client, "declare")
+    eventually(lambda: streams_open(client) == 0 and listeners() == 0)
+    stream = open_stream()
+    stream.next_event()
+    eventually(lambda: listeners() == 1)
+    post(client, "start")
+    assert stream.next_event().record["status"] == "running"
+    stream.close()
+    eventually(lambda: listeners() == 0)
 
 
 def test_lease_heartbeats_and_the_sweeper_are_streamed(
