@@ -25,7 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -473,7 +473,7 @@ class Bench:
         self.errors: list[str] = []
 
     @property
-    def read_rounds(self) -> int:
+    def rounds(self) -> int:
         return max(2, min(5, round(self.seconds / 2)))
 
     def check(self, name: str, load: Load) -> Load:
@@ -487,33 +487,57 @@ class Bench:
         )
         return load
 
-    def service_writes(self, name: str, script: str, conns: int, events: int = 1) -> Load:
-        """Warm up, then measure on empty tables."""
+    def alternate(
+        self, name: str, served: Callable[[float], Load], direct: Callable[[float], Load] | None
+    ) -> tuple[Load, Load | None]:
+        """The service's load and pgbench's in alternating rounds of `seconds / rounds` each,
+        so that other work on the machine skews both alike; the median round of each."""
+        rounds = self.rounds
+        seconds = self.seconds / rounds
+        service_runs, pgbench_runs = [], []
+        for _ in range(rounds):
+            service_runs.append(served(seconds))
+            if direct is not None:
+                pgbench_runs.append(direct(seconds))
+        service_load = self.check(f"{name}, {rounds} rounds, service", median_of(service_runs))
+        if direct is None:
+            return service_load, None
+        pgbench_load = self.check(f"{name}, {rounds} rounds, pgbench", median_of(pgbench_runs))
+        return service_load, pgbench_load
+
+    def service_writes(self, script: str, conns: int, events: int, seconds: float) -> Load:
+        """One load on empty tables."""
         # Arguments of events.lua and batch.lua: key prefix, instances, lag, batch size.
         args = [script[0], INSTANCES, conns, events]  # keys e1.. or b1.., as in the .sql
-        if self.warmup:
-            reset(self.dsn)
-            warm = wrk(self.base, script, conns, self.warmup, args, events)
-            self.check(f"{name} (warm-up)", warm)
         reset(self.dsn)
-        load = wrk(self.base, script, conns, self.seconds, args, events)
-        return self.check(name, load)
+        return wrk(self.base, script, conns, seconds, args, events)
 
-    def pgbench_writes(self, name: str, script: str, events: int, **defines: object) -> Load:
+    def pgbench_writes(self, script: str, events: int, seconds: float, **defines: object) -> Load:
         reset(self.dsn)
         defines = {"instances": INSTANCES, "prev": 0, **defines}
-        load = pgbench(
-            self.dsn, BENCH / script, self.connections, self.seconds, defines, events, self.protocol
+        return pgbench(
+            self.dsn, BENCH / script, self.connections, seconds, defines, events, self.protocol
         )
-        return self.check(name, load)
+
+    def warm_up(self, name: str, script: str, conns: int, events: int = 1) -> None:
+        if self.warmup:
+            self.check(f"{name} (warm-up)", self.service_writes(script, conns, events, self.warmup))
 
     def single(self) -> tuple[Load, Load, Load]:
-        service_load = self.service_writes("single, service", "events.lua", self.connections)
-        pgbench_load = self.pgbench_writes("single, pgbench", "events.sql", 2)
-        tail_load = self.service_writes(
-            f"single at {self.tail_connections} connections, service",
-            "events.lua",
-            self.tail_connections,
+        conns = self.connections
+        self.warm_up("single, service", "events.lua", conns)
+        service_load, pgbench_load = self.alternate(
+            "single",
+            lambda seconds: self.service_writes("events.lua", conns, 1, seconds),
+            lambda seconds: self.pgbench_writes("events.sql", 2, seconds),
+        )
+        assert pgbench_load is not None
+        tail = self.tail_connections
+        self.warm_up(f"single at {tail} connections, service", "events.lua", tail)
+        tail_load, _ = self.alternate(
+            f"single at {tail} connections",
+            lambda seconds: self.service_writes("events.lua", tail, 1, seconds),
+            None,
         )
         return service_load, pgbench_load, tail_load
 
@@ -527,12 +551,14 @@ class Bench:
             self.errors.append(f"batch: skipped, POST /v1/events answered {status}")
             print(f"  batch: skipped, POST /v1/events answered {status}", file=sys.stderr)
             return None
-        service_load = self.service_writes(
-            "batch, service", "batch.lua", self.connections, BATCH_SIZE
+        conns = self.connections
+        self.warm_up("batch, service", "batch.lua", conns, BATCH_SIZE)
+        service_load, pgbench_load = self.alternate(
+            "batch",
+            lambda seconds: self.service_writes("batch.lua", conns, BATCH_SIZE, seconds),
+            lambda seconds: self.pgbench_writes("batch.sql", BATCH_SIZE, seconds, size=BATCH_SIZE),
         )
-        pgbench_load = self.pgbench_writes(
-            "batch, pgbench", "batch.sql", BATCH_SIZE, size=BATCH_SIZE
-        )
+        assert pgbench_load is not None
         return service_load, pgbench_load
 
     def contention(self) -> Load:
@@ -553,20 +579,17 @@ class Bench:
         """Reads/s of the first page at `connections` clients, on the small table."""
         instances = SMALL_TABLE // STEPS_PER_INSTANCE
         args = ["r", instances, "ordinal", READ_LIMIT]
-        served = wrk(self.base, "reads.lua", self.connections, self.seconds, args, 1)
-        direct = pgbench(
-            self.dsn,
-            read_script("ordinal", self.tmp / "read_throughput.sql"),
-            self.connections,
-            self.seconds,
-            {"instances": instances},
-            1,
-            self.protocol,
+        script = read_script("ordinal", self.tmp / "read_throughput.sql")
+        conns = self.connections
+        served, direct = self.alternate(
+            f"reads at {conns} connections",
+            lambda seconds: wrk(self.base, "reads.lua", conns, seconds, args, 1),
+            lambda seconds: pgbench(
+                self.dsn, script, conns, seconds, {"instances": instances}, 1, self.protocol
+            ),
         )
-        return (
-            self.check(f"reads at {self.connections} connections, service", served),
-            self.check(f"reads at {self.connections} connections, pgbench", direct),
-        )
+        assert direct is not None
+        return served, direct
 
     def reads(self, large: int) -> dict[int, dict[str, tuple[Load, Load]]]:
         """p50/p99 of the first page of a random instance: service and pgbench, per order.
@@ -584,7 +607,7 @@ class Bench:
                 args = ["r", records // STEPS_PER_INSTANCE, "ordinal", READ_LIMIT]
                 warm = wrk(base, "reads.lua", self.read_connections, self.warmup, args, 1)
                 self.check(f"reads at {records:,} (warm-up)", warm)
-        rounds = self.read_rounds
+        rounds = self.rounds
         seconds = self.seconds / rounds
         runs: dict[tuple[int, str], tuple[list[Load], list[Load]]] = {}
         for turn in range(rounds):
@@ -757,9 +780,9 @@ def report(
         lines.append("  ".join([*cells, row[4]]).rstrip())
     lines.append("")
     lines.append(
-        f"{bench.seconds:g} s per load; writes over {INSTANCES} instances; reads limit="
-        f"{READ_LIMIT} at {bench.read_connections} connection(s), median of"
-        f" {bench.read_rounds} alternating rounds; pgbench -M {bench.protocol}"
+        f"{bench.seconds:g} s per load, as the median of {bench.rounds} rounds alternating"
+        f" with pgbench's; writes over {INSTANCES} instances; reads limit={READ_LIMIT} at"
+        f" {bench.read_connections} connection(s); pgbench -M {bench.protocol}"
     )
     lines += [f"ERROR {error}" for error in bench.errors] or ["errors: none"]
     return "\n".join(lines)
