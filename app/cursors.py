@@ -43,8 +43,12 @@ def _garbled(message: str = NOT_A_CURSOR) -> Exception:
     return validation_problem([{"field": "cursor", "message": message}])
 
 
-def _int(value: Any) -> int:
-    if type(value) is not int:
+INT4, INT8 = 2**31, 2**63  # ordinals are PostgreSQL integers, ids bigints
+
+
+def _int(value: Any, bound: int = INT8) -> int:
+    """An integer the column can hold: a position outside its range was never issued."""
+    if type(value) is not int or not -bound <= value < bound:
         raise _garbled()
     return value
 
@@ -70,7 +74,7 @@ def steps_cursor(order: Order, last: dict[str, Any]) -> str:
 def steps_position(order: Order, cursor: str) -> list[Any]:
     """`(ordinal,)` or `(started_at or None, id)`: where the next page of steps starts."""
     if order == "ordinal":
-        return [_int(_decode(cursor, "o", 1)[0])]
+        return [_int(_decode(cursor, "o", 1)[0], INT4)]
     started_at, last_id = _decode(cursor, "s", 2)
     return [_timestamp(started_at, nullable=True), _int(last_id)]
 

@@ -92,6 +92,7 @@ class Hub:
         self._streams: dict[int, set[Subscription]] = {}
         self.closing = False
         self.wanted = asyncio.Event()  # set while a stream is open: the listener is needed
+        self.listening = asyncio.Event()  # set while the listener's LISTEN is in force
 
     @contextlib.contextmanager
     def subscribe(self, instance_id: int) -> Iterator[Subscription]:
@@ -149,6 +150,7 @@ async def keep_listening(conninfo: str, hub: Hub, *, positions: bool = False) ->
                 failures = 0
                 # Notifications may have been missed before, or while away.
                 hub.wake_all(await steps.wal_position(conn) if positions else 0)
+                hub.listening.set()
                 checked = loop.time()
                 while hub.wanted.is_set():
                     # One batch: those that came while the last query ran, or else the first
@@ -164,11 +166,13 @@ async def keep_listening(conninfo: str, hub: Hub, *, positions: bool = False) ->
                     for notification in batch:
                         with contextlib.suppress(ValueError):
                             hub.wake(int(notification.payload), target)
+                hub.listening.clear()
             continue  # no stream is left: no session until the next one opens
         except (psycopg.Error, OSError, TimeoutError) as exc:
             log.warning("live-update listener lost its connection: %s", exc)
         except Exception:
             log.exception("live-update listener failed")
+        hub.listening.clear()
         failures = min(failures + 1, 10)
         await asyncio.sleep(min(0.1 * 2**failures, MAX_BACKOFF_SECONDS))
 
@@ -210,6 +214,10 @@ async def events(
     loop = asyncio.get_running_loop()
     behind_delay, behind_since = BEHIND_SECONDS, None
     with hub.subscribe(first.instance_id) as subscription:
+        # The first stream of a worker starts its listener: send nothing before it listens,
+        # so that every write made after the client saw the snapshot wakes this stream.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(hub.listening.wait(), CONNECT_SECONDS)
         if reads.replica is not None:
             # Commits from before the subscription woke no one: a replica must have them too.
             with contextlib.suppress(DatabaseUnavailable):
