@@ -4,6 +4,7 @@ With `DATABASE_URL` set, the tests create (and finally drop) their own database 
 server; without it they start an embedded PostgreSQL in a temporary directory.
 """
 
+import contextlib
 import os
 import shutil
 import signal
@@ -124,6 +125,8 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 90) -> 
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a server started by `start_server`, and whatever of its process group is left: a
+    worker whose supervisor died before it would otherwise run on, orphaned."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -131,6 +134,8 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def start_server(
@@ -147,6 +152,7 @@ def start_server(
         cwd=ROOT,
         stdout=stdout,
         stderr=stderr,
+        start_new_session=True,  # its own process group, workers included: see `stop`
     )
     url = f"http://127.0.0.1:{port}"
     try:
