@@ -432,6 +432,50 @@ def test_list_by_started_at_reads_the_time_index_without_sorting(
     assert "Sort" not in text, text
 
 
+def function_plans(db: Conn, sql: str, params: dict[str, Any]) -> str:
+    """The plans of the statements a database function runs for `sql`, as auto_explain
+    reports them (to this session, as notices)."""
+    notices: list[str] = []
+    db.add_notice_handler(lambda diag: notices.append(diag.message_primary or ""))
+    db.execute("LOAD 'auto_explain'")
+    for setting in ("log_min_duration = 0", "log_nested_statements = on", "log_level = notice"):
+        db.execute(f"SET LOCAL auto_explain.{setting}")
+    db.execute(sql, params).fetchall()
+    return "\n".join(notices)
+
+
+@pytest.mark.parametrize(
+    ("order", "after_started_at", "index"),
+    [
+        ("ordinal", "-infinity", "uq_workflow_step_record_instance_id_ordinal"),
+        ("started_at", "-infinity", "ix_workflow_step_record_instance_id_started_at_id"),
+        ("started_at", None, "ix_workflow_step_record_instance_id_started_at_id"),
+    ],
+)
+def test_the_page_function_reads_its_index_and_sorts_at_most_the_page(
+    big_table: Conn, order: str, after_started_at: str | None, index: str
+) -> None:
+    """The records come from the index, in order, under the page's LIMIT; a Sort may only
+    appear above it (the ordered aggregate over the page's rows, on PostgreSQL 16 and later)."""
+    params = {
+        "instance_key": "run-50",
+        "order": order,
+        "after_ordinal": 10,
+        "after_started_at": after_started_at,
+        "after_id": 0,
+        "statuses": None,
+        "page_size": 50,
+        "summary": False,
+    }
+    text = function_plans(big_table, steps.LIST_STEPS, params)
+    lines = text.splitlines()
+    limit = next(i for i, line in enumerate(lines) if "->  Limit" in line)
+    scan = next(i for i, line in enumerate(lines) if f"Index Scan using {index}" in line)
+    assert limit < scan, text
+    assert not any("Sort" in line for line in lines[limit:scan]), text
+    assert "Seq Scan on workflow_step_record" not in text, text
+
+
 def test_list_instances_reads_the_time_index_without_sorting(db: Conn) -> None:
     db.execute("""
         INSERT INTO process_instance (instance_key, created_at)
