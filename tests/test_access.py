@@ -89,13 +89,22 @@ def server(shared_server: tuple[str, str]) -> Iterator[tuple[str, str]]:
 
 
 def insert_token(database_url: str, name: str, scope: str) -> str:
-    token, digest = new_token()
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(
-            "INSERT INTO api_token (name, scope, token_sha256) VALUES (%s, %s, %s)",
-            (name, scope, digest),
-        )
+    (token,) = insert_tokens(database_url, (name, scope))
     return token
+
+
+def insert_tokens(database_url: str, *names_and_scopes: tuple[str, str]) -> list[str]:
+    """Insert tokens in one transaction, so no worker ever knows some of them but not all."""
+    tokens = []
+    with psycopg.connect(database_url) as conn:
+        for name, scope in names_and_scopes:
+            token, digest = new_token()
+            conn.execute(
+                "INSERT INTO api_token (name, scope, token_sha256) VALUES (%s, %s, %s)",
+                (name, scope, digest),
+            )
+            tokens.append(token)
+    return tokens
 
 
 def bearer(token: str) -> dict[str, str]:
@@ -110,6 +119,7 @@ def accepted_everywhere(url: str, token: str) -> None:
             httpx.get(url + "/v1/instances", headers=headers).status_code == 200 for _ in range(6)
         )
     )
+    reloaded()  # six requests may all have reached one worker: give the other its reload too
 
 
 def test_first_token_ends_anonymous_access(server: tuple[str, str]) -> None:
@@ -127,8 +137,7 @@ def test_first_token_ends_anonymous_access(server: tuple[str, str]) -> None:
 
 def test_scopes_and_unknown_tokens(server: tuple[str, str]) -> None:
     url, database_url = server
-    writer = insert_token(database_url, "writer", "write")
-    reader = insert_token(database_url, "reader", "read")
+    writer, reader = insert_tokens(database_url, ("writer", "write"), ("reader", "read"))
     reloaded()
     for _ in range(4):  # both workers
         assert httpx.post(url + START, headers=bearer(writer)).status_code in (200, 201)
@@ -244,8 +253,7 @@ def test_public_address_with_a_token_starts(scratch_database: str) -> None:
 
 def test_a_read_token_may_not_use_any_writing_method(server: tuple[str, str]) -> None:
     url, database_url = server
-    reader = insert_token(database_url, "reader", "read")
-    writer = insert_token(database_url, "writer", "write")
+    reader, writer = insert_tokens(database_url, ("reader", "read"), ("writer", "write"))
     accepted_everywhere(url, reader)
     for method in ["DELETE", "PUT", "PATCH"] * 3:  # on both workers
         forbidden = httpx.request(method, url + START, headers=bearer(reader))
