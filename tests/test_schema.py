@@ -367,6 +367,7 @@ def test_migrations_upgrade_downgrade_and_upgrade_again(scratch_database: str) -
         scratch_database
     )
     assert _functions(scratch_database) == {
+        "steprecord_apply_event",
         "steprecord_apply_events",
         "steprecord_heartbeat",
         "steprecord_list_steps",
