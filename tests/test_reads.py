@@ -251,8 +251,9 @@ def test_a_page_rendered_by_postgresql_is_byte_for_byte_the_python_rendering(
     }
     rows_query = steps.LIST_BY_ORDINAL if order == "ordinal" else steps.LIST_BY_STARTED_AT
     with db.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(rows_query, params).fetchall()
         page = cur.execute(steps.LIST_STEPS, params).fetchone()
+        cur.execute("SET TIME ZONE 'UTC'")  # as the service's connections are (app.db)
+        rows = cur.execute(rows_query, params).fetchall()
     assert page is not None
     assert len(rows) == 8
     for item in rows:

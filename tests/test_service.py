@@ -286,3 +286,27 @@ def test_outage_answers_503_fast_and_recovers_by_itself(own_postgres: EmbeddedPo
             assert [s["step_slug"] for s in steps] == ["a", "c"]
     finally:
         stop(proc)
+
+
+def test_times_are_answered_in_utc_whatever_the_database_time_zone(scratch_database: str) -> None:
+    """The service's connections run in UTC, so every answer's times end in `Z`."""
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        conn.execute(f"ALTER DATABASE {conn.info.dbname} SET TimeZone = 'America/St_Johns'")
+    migrate(scratch_database)
+    url, proc = start_server(scratch_database)
+    try:
+        step = f"{url}/v1/instances/tz/steps/a"
+        body = {"attempt": 1, "started_at": "2026-12-02T10:00:00.5+02:00"}
+        event = {"instance_key": "tz", "step_slug": "a", "kind": "start", **body}
+        answers = [
+            httpx.post(f"{step}/start", json=body).json(),
+            httpx.get(step).json(),
+            httpx.get(f"{url}/v1/instances/tz/steps").json()["items"][0],
+            httpx.post(f"{url}/v1/events", json={"events": [event]}).json()["results"][0]["record"],
+        ]
+        for record in answers:
+            assert record["started_at"] == "2026-12-02T08:00:00.500000Z"
+            assert record["created_at"].endswith("Z")
+            assert record["updated_at"].endswith("Z")
+    finally:
+        stop(proc)
