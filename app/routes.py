@@ -1,6 +1,7 @@
 """HTTP handlers: parse, call the data module, shape the response."""
 
 import json
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal
 
@@ -222,9 +223,12 @@ for _kind in KINDS:
 
 
 def _batch_result(
-    kind: str, outcome: steps.Result | Exception, event: steps.Event | None = None
+    counts: Counter[tuple[str, str]],
+    kind: str,
+    outcome: steps.Result | Exception,
+    event: steps.Event | None = None,
 ) -> dict[str, Any]:
-    observe.count_event(kind, outcome.outcome if isinstance(outcome, steps.Result) else "refused")
+    counts[kind, outcome.outcome if isinstance(outcome, steps.Result) else "refused"] += 1
     try:
         if isinstance(outcome, Exception):
             raise outcome
@@ -255,11 +259,14 @@ async def post_events(request: Request) -> Response:
     async with _pool(request).connection() as conn:
         applied = iter(await steps.apply_events(conn, valid))
     results = []
+    counts: Counter[tuple[str, str]] = Counter()
     for item, event in zip(items, parsed, strict=True):
         if isinstance(event, steps.Event):
-            results.append(_batch_result(event.kind, next(applied), event))
+            results.append(_batch_result(counts, event.kind, next(applied), event))
         else:
-            results.append(_batch_result(_kind_of(item), event))
+            results.append(_batch_result(counts, _kind_of(item), event))
+    for (kind, outcome), amount in counts.items():
+        observe.count_event(kind, outcome, amount)
     return _json({"results": results})
 
 

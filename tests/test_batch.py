@@ -225,3 +225,33 @@ def test_batch_and_single_endpoints_give_identical_results(
                 [{k: r[k] for k in COMPARED} for r in side.json()["items"]] for side in (a, b)
             ]
             assert records[0] == records[1]
+
+
+def test_every_event_of_a_batch_is_counted_by_kind_and_outcome(client: httpx.Client) -> None:
+    def count(text: str, kind: str, outcome: str) -> float:
+        line = f'steprecord_events_total{{kind="{kind}",outcome="{outcome}"}} '
+        found = [row for row in text.splitlines() if row.startswith(line)]
+        return float(found[0].rsplit(" ", 1)[1]) if found else 0.0
+
+    key = "counted-" + uuid.uuid4().hex[:8]
+    before = client.get("/metrics").text
+    batch(
+        client,
+        [
+            *(ev("start", f"s{i}", key, attempt=1) for i in range(3)),
+            ev("start", "s0", key, attempt=1),
+            ev("complete", "s1", key, attempt=1, output=1),
+            ev("start", "bad slug", key),
+            {"kind": "nonsense"},
+        ],
+    )
+    after = client.get("/metrics").text
+    expected = {
+        ("start", "created"): 3,
+        ("start", "replay"): 1,
+        ("complete", "applied"): 1,
+        ("start", "refused"): 1,
+        ("unknown", "refused"): 1,
+    }
+    for (kind, outcome), amount in expected.items():
+        assert count(after, kind, outcome) - count(before, kind, outcome) == amount, (kind, outcome)
