@@ -2,9 +2,11 @@
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -17,7 +19,7 @@ from app.cli import migrate
 from app.embedded import EmbeddedPostgres
 from app.main import create_app, schema_head
 from app.steps import MIGRATION_LOCK
-from tests.conftest import ROOT, free_port, start_server, stop, wait_ready
+from tests.conftest import ROOT, free_port, pgbouncer, start_server, stop, wait_ready
 
 
 def serve_embedded(data_dir: Path, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
@@ -288,25 +290,41 @@ def test_outage_answers_503_fast_and_recovers_by_itself(own_postgres: EmbeddedPo
         stop(proc)
 
 
-def test_times_are_answered_in_utc_whatever_the_database_time_zone(scratch_database: str) -> None:
-    """The service's connections run in UTC, so every answer's times end in `Z`."""
+@pytest.mark.skipif(
+    shutil.which("pgbouncer") is None and not os.environ.get("CI"),
+    reason="PgBouncer is not installed (apt-get install pgbouncer); CI always runs this",
+)
+@pytest.mark.parametrize("through", ["direct", "pgbouncer"])
+def test_times_are_answered_in_utc_whatever_the_database_time_zone(
+    scratch_database: str, through: str
+) -> None:
+    """The service's connections run in UTC, so every answer's times end in `Z`; behind
+    PgBouncer in transaction mode the setting follows the service's clients and no one else's.
+    """
     with psycopg.connect(scratch_database, autocommit=True) as conn:
         conn.execute(f"ALTER DATABASE {conn.info.dbname} SET TimeZone = 'America/St_Johns'")
     migrate(scratch_database)
-    url, proc = start_server(scratch_database)
-    try:
-        step = f"{url}/v1/instances/tz/steps/a"
+    with ExitStack() as stack:
+        url = scratch_database
+        if through == "pgbouncer":
+            url = stack.enter_context(pgbouncer(scratch_database))
+        base, proc = start_server(url, "--workers", "2")
+        stack.callback(stop, proc)
         body = {"attempt": 1, "started_at": "2026-12-02T10:00:00.5+02:00"}
         event = {"instance_key": "tz", "step_slug": "a", "kind": "start", **body}
-        answers = [
-            httpx.post(f"{step}/start", json=body).json(),
-            httpx.get(step).json(),
-            httpx.get(f"{url}/v1/instances/tz/steps").json()["items"][0],
-            httpx.post(f"{url}/v1/events", json={"events": [event]}).json()["results"][0]["record"],
-        ]
-        for record in answers:
-            assert record["started_at"] == "2026-12-02T08:00:00.500000Z"
-            assert record["created_at"].endswith("Z")
-            assert record["updated_at"].endswith("Z")
-    finally:
-        stop(proc)
+        for _ in range(5):  # several server connections, on both workers
+            step = f"{base}/v1/instances/tz/steps/a"
+            answers = [
+                httpx.post(f"{step}/start", json=body).json(),
+                httpx.get(step).json(),
+                httpx.get(f"{base}/v1/instances/tz/steps").json()["items"][0],
+                httpx.post(f"{base}/v1/events", json={"events": [event]}).json()["results"][0][
+                    "record"
+                ],
+            ]
+            for record in answers:
+                assert record["started_at"] == "2026-12-02T08:00:00.500000Z"
+                assert record["created_at"].endswith("Z")
+                assert record["updated_at"].endswith("Z")
+            with psycopg.connect(url, autocommit=True) as other:
+                assert other.execute("SHOW TimeZone").fetchone() == ("America/St_Johns",)
