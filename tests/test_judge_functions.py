@@ -9,6 +9,8 @@ from typing import Any
 
 import psycopg
 
+from app.steps import PARAMS
+
 Conn = psycopg.Connection[tuple[object, ...]]
 
 ONE = "SELECT * FROM steprecord_apply_event(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
@@ -17,18 +19,7 @@ SET = (
     " %s::bigint[], %s::timestamptz[], %s::timestamptz[], %s::text[], %s::text[], %s::text[],"
     " %s::text[], %s::bigint[], %s::int[])"
 )
-FIELDS = (
-    "kind",
-    "attempt",
-    "started_at",
-    "completed_at",
-    "output",
-    "external_output_url",
-    "error_code",
-    "error_message",
-    "ordinal",
-    "lease_seconds",
-)
+FIELDS = PARAMS[2:]  # the arguments after the instance key and the step slug
 # Everything but the generated id and the clock's times (created_at, updated_at, a lease).
 COMPARED = (
     *("i", "outcome", "step_slug", "ordinal", "status", "attempt_count", "output"),

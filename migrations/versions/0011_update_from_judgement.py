@@ -26,8 +26,6 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
-from alembic import op
-
 revision = "0011"
 down_revision = "0010"
 branch_labels = None
@@ -78,45 +76,31 @@ UPDATE = (
 
 
 def upgrade() -> None:
-    statement = _revision_0008_statement()
+    ordered = _revision_0008()
+    statement = _statement(ordered)
     for before, after in (CARRY, UPDATE):
         if statement.count(before) != 1:
             raise RuntimeError(f"revision 0008's merge does not read as expected: {before!r}")
         statement = statement.replace(before, after)
-    _create(statement)
+    ordered._create(ordered._revision_0007().RECORD_COLUMNS, statement)
 
 
 def downgrade() -> None:
-    _create(_revision_0008_statement())
+    ordered = _revision_0008()
+    ordered._create(ordered._revision_0007().RECORD_COLUMNS, _statement(ordered))
 
 
-def _revision_0008_statement() -> str:
-    statement: str = _module("0007_merge_function.py").APPLY_EVENTS
-    for before, after in _module("0008_ordered_inserts.py").ORDERS:
+def _statement(ordered: ModuleType) -> str:
+    """Revision 0008's statement: 0007's with its two orders."""
+    statement: str = ordered._revision_0007().APPLY_EVENTS
+    for before, after in ordered.ORDERS:
         statement = statement.replace(before, after)
     return statement
 
 
-def _create(statement: str) -> None:
-    ordered = _module("0008_ordered_inserts.py")
-    record_columns = _module("0007_merge_function.py").RECORD_COLUMNS
-    op.execute(f"""
-        CREATE OR REPLACE FUNCTION steprecord_apply_events({ordered.SIGNATURE})
-        RETURNS TABLE (i integer, outcome text, {record_columns})
-        LANGUAGE plpgsql
-        SET plan_cache_mode = force_generic_plan
-        AS $fn$
-        #variable_conflict use_column
-        BEGIN
-            RETURN QUERY {statement};
-        END
-        $fn$
-    """)
-
-
-def _module(filename: str) -> ModuleType:
-    path = Path(__file__).with_name(filename)
-    spec = importlib.util.spec_from_file_location(f"steprecord_migration_{path.stem}", path)
+def _revision_0008() -> ModuleType:
+    path = Path(__file__).with_name("0008_ordered_inserts.py")
+    spec = importlib.util.spec_from_file_location("steprecord_migration_0008", path)
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
