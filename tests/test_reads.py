@@ -1,6 +1,8 @@
 """The reads (README, "Reads"): lists in both orders, cursors, filters, summaries, instances."""
 
 import base64
+import zoneinfo
+from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from typing import Any
 
 import httpx
@@ -9,7 +11,7 @@ import pytest
 from psycopg.rows import dict_row
 
 from app import steps
-from app.serialize import dumps, record_json
+from app.serialize import dumps, record_json, timestamp
 from tests.helpers import T1, T2, T3, post, problem, record
 
 STEPS = "/v1/instances/order-1/steps"
@@ -265,3 +267,18 @@ def test_a_page_rendered_by_postgresql_is_byte_for_byte_the_python_rendering(
         assert page["last_ordinal"] == last["ordinal"]
     else:
         assert (page["last_started_at"], page["last_id"]) == (last["started_at"], last["id"])
+
+
+@pytest.mark.parametrize(
+    "zone",
+    [UTC, timezone(timedelta(0)), zoneinfo.ZoneInfo("UTC"), zoneinfo.ZoneInfo("Etc/UTC")],
+    ids=["datetime.UTC", "timezone(0)", "ZoneInfo(UTC)", "ZoneInfo(Etc/UTC)"],
+)
+@pytest.mark.parametrize("microsecond", [0, 1, 120000, 999999])
+def test_answers_render_a_utc_time_exactly_as_the_documented_format(
+    zone: tzinfo, microsecond: int
+) -> None:
+    """`Z`, and microseconds only when not zero, whichever UTC zone object psycopg returns."""
+    value = datetime(2026, 12, 4, 5, 1, 7, microsecond, tzinfo=zone)
+    assert dumps({"t": value}) == f'{{"t":"{timestamp(value)}"}}'.encode()
+    assert timestamp(value).endswith(("07Z", f".{microsecond:06d}Z"))
