@@ -13,6 +13,7 @@ import time
 import uuid
 from contextvars import ContextVar
 
+import orjson
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
@@ -59,6 +60,9 @@ STREAMS_OPEN = Gauge(
 )
 OUTCOMES = frozenset({"created", "applied", "replay", "conflict", "stale_attempt", "swept"})
 
+# The histogram's child per (method, route, status): prometheus_client's own lookup takes a
+# lock and builds the key on every request.
+_timers: dict[tuple[str, str, int], Histogram] = {}
 request_id: ContextVar[str] = ContextVar("request_id", default="-")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _access = logging.getLogger("steprecord.request")
@@ -104,7 +108,10 @@ class _JSONLines(logging.Formatter):
         }
         if record.exc_info:
             line = {**line, "error": self.formatException(record.exc_info)}
-        return json.dumps(line, separators=(",", ":"))
+        try:
+            return orjson.dumps(line, default=str).decode()
+        except TypeError:  # text orjson refuses (a lone surrogate): the standard encoder escapes it
+            return json.dumps(line, separators=(",", ":"), default=str)
 
 
 def configure_logging() -> None:
@@ -167,7 +174,11 @@ class Observe:
         finally:
             seconds = time.perf_counter() - began
             template = _template(scope)
-            REQUEST_SECONDS.labels(scope["method"], template, str(status)).observe(seconds)
+            labels = (scope["method"], template, status)
+            timer = _timers.get(labels)
+            if timer is None:
+                timer = _timers[labels] = REQUEST_SECONDS.labels(*labels[:2], str(status))
+            timer.observe(seconds)
             _access.info(
                 "request",
                 extra={
