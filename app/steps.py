@@ -92,9 +92,9 @@ APPLY_EVENTS = (
     " $11::text[], $12::bigint[], $13::int[])"
 )
 
-# One event (not a heartbeat) with scalars for arrays (migration 0010): the same answer, the
-# record read, judged and, only when the event applies, updated with less work than the
-# general statement; an event with no record is passed on to the general statement.
+# One event (not a heartbeat) with scalars for arrays (migration 0010): the same answer, from
+# the half of the general statement the event needs: the record judged and, only when the
+# event applies, updated; or, when there is none, created.
 APPLY_EVENT = (
     "SELECT * FROM steprecord_apply_event($1::int, $2::text, $3::text, $4::text, $5::bigint,"
     " $6::timestamptz, $7::timestamptz, $8::text, $9::text, $10::text, $11::text, $12::bigint,"
@@ -136,8 +136,8 @@ Outcomes = list[Result | Exception]
 async def apply_event(conn: AsyncConn, event: Event) -> Result:
     """Apply one event; raise what the database refused.
 
-    It goes to `steprecord_apply_event`, which judges an existing record with less work than
-    the general statement (and only writes when the event is applied).
+    It goes to `steprecord_apply_event`, which runs only the half of the general statement
+    the event needs (and writes an existing record only when the event applies).
     """
     if event.kind == "heartbeat":
         (result,) = await apply_events(conn, [event])
