@@ -28,7 +28,7 @@ COMPARED = (
 
 T1, T2, T3, T4 = (f"2026-12-04T10:00:0{n}Z" for n in range(1, 5))
 # One step's events, in order, reaching every outcome: created, replay, applied, conflict,
-# stale_attempt, not_started (a terminal event without a start on a new step).
+# stale_attempt, not_started (a terminal event without a start on a new step), ordinal_taken.
 EVENTS: list[tuple[str, dict[str, Any]]] = [
     ("a", {"kind": "declare"}),
     ("a", {"kind": "declare"}),
@@ -55,6 +55,7 @@ EVENTS: list[tuple[str, dict[str, Any]]] = [
     ("b", {"kind": "complete", "attempt": 1, "completed_at": T2}),
     ("c", {"kind": "start", "ordinal": 7, "started_at": T1}),
     ("e", {"kind": "start", "started_at": T1}),
+    ("f", {"kind": "start", "ordinal": 2**31, "started_at": T1}),  # past the last ordinal
 ]
 
 
@@ -97,6 +98,7 @@ def test_one_event_function_answers_as_the_general_function(db: Conn) -> None:
         "not_started",
         "created",
         "created",
+        "ordinal_taken",
     ]
 
 
