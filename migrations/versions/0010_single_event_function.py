@@ -5,9 +5,9 @@ Every single event (`POST .../start`, `/complete`, `/fail`, `/declare`) went thr
 lookup and judging of existing records, their update, and for new records ordinals counted
 with window functions, instances locked, created and bumped, records inserted. One event
 needs one of the two halves, but the statement runs both, and its update fires the update
-triggers even when nothing is written. pgbench, 8 clients, 4 s rounds on PostgreSQL 15:
+triggers even when nothing is written. pgbench, 8 clients, 4-5 s rounds on PostgreSQL 15:
 replays of existing records 2,416-2,541 calls/s through `steprecord_apply_events`, starts
-of new steps 1,152-1,539.
+of new steps 1,152-1,540.
 
 Why each statement is here:
 
@@ -23,8 +23,8 @@ Why each statement is here:
      answers `not_started` or `ordinal_taken`). A record created concurrently in between is
      found there by `cur` and left alone; the event then has no answer row, as when it loses
      such a race in the general statement, and calling again judges it.
-   Replays: 4,104-5,457 calls/s; starts of new steps: 1,340-1,500 (1,113-1,339 when this
-   function first called `steprecord_apply_events` for them).
+   Replays: 4,104-5,457 calls/s; starts of new steps: 1,656-1,662, against 1,189-1,386
+   through `steprecord_apply_events` in the same rounds.
 
 Downgrade drops it; the service of the revision before calls `steprecord_apply_events`.
 

@@ -5,7 +5,7 @@ again for the values to write. Planned generically, both look like one row, so P
 joins them with a nested loop: every judged record scans every event of the call. For a batch
 of 100 events completing 50 records, `EXPLAIN ANALYZE` showed the update at 3.1 ms of the
 statement's 6.3 ms, 1.6 ms of it in that loop (50 x 100 rows); pgbench calling the function
-with such batches, 8 clients, three rounds back to back: 124-160 calls/s before, 137-171 after.
+with such batches, 8 clients, five alternating rounds: 106-160 calls/s before, 137-171 after.
 
 Why each statement is here:
 
