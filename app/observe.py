@@ -174,16 +174,17 @@ class Observe:
         finally:
             seconds = time.perf_counter() - began
             template = _template(scope)
-            labels = (scope["method"], template, status)
-            timer = _timers.get(labels)
+            method = scope["method"]
+            timer = _timers.get((method, template, status))
             if timer is None:
-                timer = _timers[labels] = REQUEST_SECONDS.labels(*labels[:2], str(status))
+                timer = REQUEST_SECONDS.labels(method, template, str(status))
+                _timers[method, template, status] = timer
             timer.observe(seconds)
             _access.info(
                 "request",
                 extra={
                     "fields": {
-                        "method": scope["method"],
+                        "method": method,
                         "route": template,
                         "status": status,
                         "duration_ms": round(seconds * 1000, 3),

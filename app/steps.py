@@ -193,6 +193,20 @@ async def _apply_segment(
         await _apply_statement(conn, APPLY_EVENTS, PARAMS, events, others, outcomes)
 
 
+# A statement's parameters: the events' indexes, then one array per field (`_columns`), or
+# for one event its index and its fields (`_scalars`).
+Params = Callable[[Sequence[Event], list[int], Sequence[str]], list[Any]]
+
+
+def _columns(events: Sequence[Event], indexes: list[int], names: Sequence[str]) -> list[Any]:
+    return [indexes] + [[getattr(events[i], name) for i in indexes] for name in names]
+
+
+def _scalars(events: Sequence[Event], indexes: list[int], names: Sequence[str]) -> list[Any]:
+    (index,) = indexes
+    return [index] + [getattr(events[index], name) for name in names]
+
+
 async def _apply_statement(
     conn: AsyncConn,
     statement: str,
@@ -200,9 +214,8 @@ async def _apply_statement(
     events: Sequence[Event],
     indexes: list[int],
     outcomes: list[Result | Exception | None],
-    params: Callable[[Sequence[Event], list[int], Sequence[str]], list[Any]] | None = None,
+    params: Params = _columns,
 ) -> None:
-    params = params or _columns
     pending = indexes
     for _ in range(MAX_TRIES):
         try:
@@ -242,15 +255,6 @@ async def _run(conn: AsyncConn, statement: str, params: list[Any]) -> list[dict[
     async with psycopg.AsyncRawCursor(conn) as cur:
         await cur.execute(statement, params)
         return await cur.fetchall()
-
-
-def _columns(events: Sequence[Event], indexes: list[int], names: Sequence[str]) -> list[Any]:
-    return [indexes] + [[getattr(events[i], name) for i in indexes] for name in names]
-
-
-def _scalars(events: Sequence[Event], indexes: list[int], names: Sequence[str]) -> list[Any]:
-    (index,) = indexes
-    return [index] + [getattr(events[index], name) for name in names]
 
 
 def _refusal(exc: psycopg.Error) -> Exception:
