@@ -90,10 +90,10 @@ class Pool:
         """A connection; `wait=False`: `PoolExhausted` at once when none is free now."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout  # waiting for a slot and connecting, together
-        if not wait:
-            if self._slots.locked():
-                raise PoolExhausted("every database connection is in use")
+        if not self._slots.locked():
             await self._slots.acquire()  # a free slot is taken at once, without yielding
+        elif not wait:
+            raise PoolExhausted("every database connection is in use")
         else:
             self._changed(waiting=1)
             try:

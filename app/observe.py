@@ -63,6 +63,7 @@ OUTCOMES = frozenset({"created", "applied", "replay", "conflict", "stale_attempt
 # The histogram's child per (method, route, status): prometheus_client's own lookup takes a
 # lock and builds the key on every request.
 _timers: dict[tuple[str, str, int], Histogram] = {}
+_pool_gauges: dict[str, tuple[Gauge, Gauge]] = {}  # in use, waiting; set on every checkout
 request_id: ContextVar[str] = ContextVar("request_id", default="-")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _access = logging.getLogger("steprecord.request")
@@ -74,8 +75,11 @@ def count_event(kind: str, outcome: str, amount: int = 1) -> None:
 
 
 def pool_changed(pool: str, in_use: int, waiting: int) -> None:
-    POOL.labels(pool, "in_use").set(in_use)
-    POOL.labels(pool, "waiting").set(waiting)
+    gauges = _pool_gauges.get(pool)
+    if gauges is None:
+        gauges = _pool_gauges[pool] = (POOL.labels(pool, "in_use"), POOL.labels(pool, "waiting"))
+    gauges[0].set(in_use)
+    gauges[1].set(waiting)
 
 
 def count_read(pool: str) -> None:

@@ -24,6 +24,7 @@ from app.serialize import (
     attempt_json,
     dumps,
     loads,
+    page_json,
     record_json,
 )
 
@@ -309,19 +310,12 @@ async def list_steps(
     after = None if cursor is None else cursors.steps_position(order, cursor)
     page = await _reads(request).run(
         lambda conn: steps.list_steps(
-            conn,
-            instance_key,
-            order=order,
-            after=after,
-            statuses=statuses,
-            limit=limit,
-            summary=fields == "summary",
+            conn, instance_key, order=order, after=after, statuses=statuses, limit=limit
         )
     )
     next_cursor = None if page.last is None else cursors.steps_cursor(order, page.last)
-    # The records come rendered by PostgreSQL (see steps.list_steps), passed through as bytes.
-    body = b'{"items":[' + page.items.encode() + b'],"next_cursor":' + dumps(next_cursor) + b"}"
-    return Response(body, media_type="application/json")
+    items = page_json(page.items, fields == "summary")
+    return _json({"items": items, "next_cursor": next_cursor})
 
 
 @router.get(

@@ -8,10 +8,10 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from psycopg.rows import dict_row
+from psycopg.rows import dict_row, tuple_row
 
 from app import steps
-from app.serialize import dumps, record_json, timestamp
+from app.serialize import RECORD_KEYS, dumps, page_json, record_json, timestamp
 from tests.helpers import T1, T2, T3, post, problem, record
 
 STEPS = "/v1/instances/order-1/steps"
@@ -223,10 +223,13 @@ TRICKY_RECORDS: list[dict[str, Any]] = [
 
 @pytest.mark.parametrize("summary", [False, True])
 @pytest.mark.parametrize("order", ["ordinal", "started_at"])
-def test_a_page_rendered_by_postgresql_is_byte_for_byte_the_python_rendering(
+def test_a_page_from_the_page_function_renders_byte_for_byte_as_the_rows_query(
     db: psycopg.Connection[tuple[object, ...]], order: steps.Order, summary: bool
 ) -> None:
-    db.execute("SET TIME ZONE 'America/St_Johns'")  # a zone at -03:30, so no offset hides
+    """The page function's rows, read in binary as the service reads them, render exactly as
+    the reference query's rows read as text, on tricky values: every control character,
+    U+2028, non-BMP characters, long integers in outputs, times with and without
+    microseconds, in the first page and the position of its last record."""
     row = db.execute(
         "INSERT INTO process_instance (instance_key) VALUES ('tricky-1') RETURNING id"
     ).fetchone()
@@ -240,33 +243,31 @@ def test_a_page_rendered_by_postgresql_is_byte_for_byte_the_python_rendering(
             f"INSERT INTO workflow_step_record ({columns}) VALUES ({marks})",
             [row[0], *values.values()],
         )
+    db.execute("SET TIME ZONE 'UTC'")  # as the service's connections are (app.db)
     params: dict[str, Any] = {
         "instance_key": "tricky-1",
-        "order": order,
         "statuses": None,
         "after_ordinal": -1,
         "after_started_at": "-infinity",
         "after_id": 0,
         "limit": 8,
-        "page_size": 7,
-        "summary": summary,
     }
+    function_params = ["tricky-1", order, -1, "-infinity", 0, None, 8]
     rows_query = steps.LIST_BY_ORDINAL if order == "ordinal" else steps.LIST_BY_STARTED_AT
+    with psycopg.RawCursor(db, row_factory=tuple_row) as cur:
+        page = cur.execute(steps.LIST_PAGE, function_params, binary=True).fetchall()
+        assert cur.description is not None
+        assert tuple(column.name for column in cur.description) == steps.PAGE_COLUMNS
+    assert steps.PAGE_COLUMNS == RECORD_KEYS  # the API's keys, in its order (page_json)
     with db.cursor(row_factory=dict_row) as cur:
-        page = cur.execute(steps.LIST_STEPS, params).fetchone()
-        cur.execute("SET TIME ZONE 'UTC'")  # as the service's connections are (app.db)
         rows = cur.execute(rows_query, params).fetchall()
-    assert page is not None
-    assert len(rows) == 8
+    assert len(page) == len(rows) == 8
+    assert [item[0] for item in page] == [item["id"] for item in rows]
     for item in rows:
         item["instance_key"] = "tricky-1"
-    expected = dumps([record_json(item, summary) for item in rows[:7]])
-    assert f"[{page['items']}]".encode() == expected
-    last = rows[6]
-    if order == "ordinal":
-        assert page["last_ordinal"] == last["ordinal"]
-    else:
-        assert (page["last_started_at"], page["last_id"]) == (last["started_at"], last["id"])
+    items = [dict(zip(steps.PAGE_COLUMNS, item, strict=True)) for item in page]
+    expected = dumps([record_json(item, summary) for item in rows])
+    assert dumps(page_json(items, summary)) == expected
 
 
 @pytest.mark.parametrize(
