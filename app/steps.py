@@ -458,7 +458,7 @@ async def list_steps(
         raise InstanceNotFound(instance_key)
     if rows[0][0] is None:  # the instance has no such record
         return Page([], None)
-    items = [dict(zip(PAGE_COLUMNS, row, strict=True)) for row in rows[:limit]]
+    items = [dict(zip(PAGE_COLUMNS, row, strict=False)) for row in rows[:limit]]
     last = items[-1] if len(rows) > limit else None
     return Page(items, last)
 
