@@ -161,6 +161,14 @@ def http_status(method: str, url: str, body: bytes | None = None) -> int:
         return exc.code
 
 
+_service_pids: dict[str, int] = {}
+
+
+def service_pid(base: str) -> int:
+    """The process id of the running service at `base` (its workers are its children)."""
+    return _service_pids[base]
+
+
 @contextmanager
 def service(dsn: str, log: Path) -> Iterator[str]:
     """`steprecord serve --workers 2` on the bench database; yields its base URL."""
@@ -184,8 +192,10 @@ def service(dsn: str, log: Path) -> Iterator[str]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the service was not ready within 60 s:\n{tail(log)}")
             time.sleep(0.2)
+        _service_pids[base] = proc.pid
         yield base
     finally:
+        _service_pids.pop(base, None)
         if proc.poll() is None:
             proc.terminate()
             try:

@@ -1,0 +1,138 @@
+"""Where the CPU goes: the service's loads and pgbench's, CPU time per operation by process.
+
+Run from the repository root: `.venv/bin/python -m tests.bench.cpu [--rounds N] [--duration S]`.
+On a machine the loads saturate, the ratio of two throughputs is the inverse ratio of the CPU
+each spends per operation; this splits that CPU by process kind (the service's workers,
+PostgreSQL's backends, the load generator), so a missed ratio shows what is in the way.
+It runs `batch.lua` and `batch.sql`, then `reads.lua` and the read query at 16 connections,
+as `run.py` does, in alternating rounds, and prints CPU milliseconds per operation.
+Linux only (it reads /proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.bench import run
+from tests.bench.run import Load
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: str) -> tuple[str, int, float, float] | None:
+    """(command name, parent pid, own CPU seconds, CPU seconds of reaped children)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    name = text[text.index("(") + 1 : text.rindex(")")]
+    fields = text[text.rindex(")") + 2 :].split()
+    own = (int(fields[11]) + int(fields[12])) / TICK
+    children = (int(fields[13]) + int(fields[14])) / TICK
+    return name, int(fields[1]), own, children
+
+
+def snapshot(service_root: int) -> dict[str, float]:
+    """CPU seconds so far of PostgreSQL (its processes, and the backends it has reaped) and of
+    the service (the process `service_root` and its workers)."""
+    stats = {pid: s for pid in os.listdir("/proc") if pid.isdigit() and (s := _stat(pid))}
+    totals = {"postgres": 0.0, "service": 0.0}
+    for pid, (name, parent, own, children) in stats.items():
+        if name.startswith("postgres"):
+            totals["postgres"] += own
+            parent_name = stats.get(str(parent), ("",))[0]
+            if not parent_name.startswith("postgres"):  # the postmaster reaps the backends
+                totals["postgres"] += children
+        elif int(pid) == service_root or parent == service_root:
+            totals["service"] += own
+    return totals
+
+
+def measured(service_root: int, load: Callable[[], Load]) -> tuple[Load, dict[str, float]]:
+    """The load, and CPU seconds per operation of each process kind while it ran."""
+    before = snapshot(service_root)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.monotonic()
+    result = load()
+    elapsed = time.monotonic() - started
+    after = snapshot(service_root)
+    children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    operations = max(result.rate * elapsed, 1.0)
+    spent = {kind: (after[kind] - before[kind]) / operations for kind in after}
+    spent["load generator"] = (
+        children_after.ru_utime + children_after.ru_stime - children.ru_utime - children.ru_stime
+    ) / operations
+    return result, spent
+
+
+def line(name: str, load: Load, spent: dict[str, float], unit: float, label: str) -> str:
+    digits = 2 if unit == 1e3 else 0
+    parts = ", ".join(f"{kind} {seconds * unit:,.{digits}f}" for kind, seconds in spent.items())
+    total = sum(spent.values()) * unit
+    rate = f"{load.events_per_s:9,.0f}/s"
+    return f"{name:8s} {rate}   {label}: {parts}; total {total:,.{digits}f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=4, help="seconds per round (4)")
+    args = parser.parse_args()
+    with (
+        tempfile.TemporaryDirectory(prefix="steprecord-bench-") as tmp_name,
+        run.postgres_server(Path(tmp_name)) as server,
+        run.fresh_database(server, run.DB_NAME) as dsn,
+        run.service(dsn, Path(tmp_name) / "service.log") as base,
+    ):
+        root = run.service_pid(base)
+        bench = run.Bench(
+            dsn, base, dsn, base, Path(tmp_name), args.duration, 2, 16, 8, 1, "simple"
+        )
+        print("\n".join(run.machine(dsn)), file=sys.stderr)
+        errors: list[Load] = []
+        print("batches of 100 events (events/s), 16 connections: CPU ms per batch")
+        bench.warm_up("batch", "batch.lua", 16, run.BATCH_SIZE)
+        for _ in range(args.rounds):
+            served = measured(
+                root, lambda: bench.service_writes("batch.lua", 16, run.BATCH_SIZE, args.duration)
+            )
+            direct = measured(
+                root,
+                lambda: bench.pgbench_writes(
+                    "batch.sql", run.BATCH_SIZE, args.duration, size=run.BATCH_SIZE
+                ),
+            )
+            print(line("service", *served, 1e3, "ms"), flush=True)
+            print(line("pgbench", *direct, 1e3, "ms"), flush=True)
+            errors += [load for load, _ in (served, direct) if load.errors]
+        print("first pages of 100 records (reads/s), 10^4 records, 16 connections: CPU us per read")
+        run.load_read_table(dsn, run.SMALL_TABLE)
+        instances = run.SMALL_TABLE // run.STEPS_PER_INSTANCE
+        script = run.read_script("ordinal", Path(tmp_name) / "read.sql")
+        args_lua = ["r", instances, "ordinal", run.READ_LIMIT]
+        run.wrk(base, "reads.lua", 16, 2, args_lua, 1)
+        for _ in range(args.rounds):
+            served = measured(
+                root, lambda: run.wrk(base, "reads.lua", 16, args.duration, args_lua, 1)
+            )
+            direct = measured(
+                root,
+                lambda: run.pgbench(
+                    dsn, script, 16, args.duration, {"instances": instances}, 1, "simple"
+                ),
+            )
+            print(line("service", *served, 1e6, "us"), flush=True)
+            print(line("pgbench", *direct, 1e6, "us"), flush=True)
+            errors += [load for load, _ in (served, direct) if load.errors]
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
