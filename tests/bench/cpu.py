@@ -4,8 +4,9 @@ Run from the repository root: `.venv/bin/python -m tests.bench.cpu [--rounds N] 
 On a machine the loads saturate, the ratio of two throughputs is the inverse ratio of the CPU
 each spends per operation; this splits that CPU by process kind (the service's workers,
 PostgreSQL's backends, the load generator), so a missed ratio shows what is in the way.
-It runs `batch.lua` and `batch.sql`, then `reads.lua` and the read query at 16 connections,
-as `run.py` does, in alternating rounds, and prints CPU milliseconds per operation.
+It runs `batch.lua`, `batch.sql` and `batch_judge.sql` (pgbench passing the same batches to the
+service's merge function), then `reads.lua` and the read query, at 16 connections as `run.py`
+does, in alternating rounds, and prints the CPU time per operation of each.
 Linux only (it reads /proc).
 """
 
@@ -109,9 +110,16 @@ def main() -> int:
                     "batch.sql", run.BATCH_SIZE, args.duration, size=run.BATCH_SIZE
                 ),
             )
+            judge = measured(
+                root,
+                lambda: bench.pgbench_writes(
+                    "batch_judge.sql", run.BATCH_SIZE, args.duration, size=run.BATCH_SIZE
+                ),
+            )
             print(line("service", *served, 1e3, "ms"), flush=True)
             print(line("pgbench", *direct, 1e3, "ms"), flush=True)
-            errors += [load for load, _ in (served, direct) if load.errors]
+            print(line("judge", *judge, 1e3, "ms"), flush=True)
+            errors += [load for load, _ in (served, direct, judge) if load.errors]
         print("first pages of 100 records (reads/s), 10^4 records, 16 connections: CPU us per read")
         run.load_read_table(dsn, run.SMALL_TABLE)
         instances = run.SMALL_TABLE // run.STEPS_PER_INSTANCE
