@@ -153,11 +153,17 @@ def test_a_stream_sends_every_record_then_each_applied_write(
     for event in snapshot:  # exactly as the step's own read renders it
         assert event.data == as_read(client, "order-1", event.record["step_slug"])
 
-    post(client, "complete", {"attempt": 1, "output": {"rows": 3}}, step="fetch")
-    post(client, "start", {"attempt": 1, "started_at": T2}, step="charge")
-    post(client, "fail", {"attempt": 1, "error_code": "CardDeclined"}, step="charge")
-    post(client, "start", {"attempt": 2, "started_at": T3}, step="charge")
-    live = stream.events(4)
+    # Each write waits for its event: a record written twice before the stream reads it is
+    # sent once, in its latest state (README, "State, not a log").
+    live = []
+    for kind, body, step in [
+        ("complete", {"attempt": 1, "output": {"rows": 3}}, "fetch"),
+        ("start", {"attempt": 1, "started_at": T2}, "charge"),
+        ("fail", {"attempt": 1, "error_code": "CardDeclined"}, "charge"),
+        ("start", {"attempt": 2, "started_at": T3}, "charge"),
+    ]:
+        post(client, kind, body, step=step)
+        live.append(stream.next_event())
     assert [(e.record["step_slug"], e.record["status"]) for e in live] == [
         ("fetch", "completed"),
         ("charge", "running"),
