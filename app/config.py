@@ -1,5 +1,6 @@
 """Settings, from the environment (prefix `STEPRECORD_`, plus `DATABASE_URL`)."""
 
+import functools
 import ipaddress
 import os
 from pathlib import Path
@@ -69,6 +70,7 @@ def redact(conninfo: str) -> str:
     return make_conninfo("", **params)
 
 
+@functools.lru_cache(maxsize=256)  # asked on every request, for a handful of local addresses
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

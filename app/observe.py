@@ -63,7 +63,21 @@ OUTCOMES = frozenset({"created", "applied", "replay", "conflict", "stale_attempt
 # The histogram's child per (method, route, status): prometheus_client's own lookup takes a
 # lock and builds the key on every request.
 _timers: dict[tuple[str, str, int], Histogram] = {}
-_pool_gauges: dict[str, tuple[Gauge, Gauge]] = {}  # in use, waiting; set on every checkout
+_reads: dict[str, Counter] = {}
+
+
+class _PoolGauges:
+    """A pool's gauges and the values they hold: each checkout sets only what changed."""
+
+    def __init__(self, pool: str) -> None:
+        self.in_use_gauge, self.waiting_gauge = (
+            POOL.labels(pool, "in_use"),
+            POOL.labels(pool, "waiting"),
+        )
+        self.in_use = self.waiting = -1
+
+
+_pool_gauges: dict[str, _PoolGauges] = {}
 request_id: ContextVar[str] = ContextVar("request_id", default="-")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _access = logging.getLogger("steprecord.request")
@@ -77,13 +91,20 @@ def count_event(kind: str, outcome: str, amount: int = 1) -> None:
 def pool_changed(pool: str, in_use: int, waiting: int) -> None:
     gauges = _pool_gauges.get(pool)
     if gauges is None:
-        gauges = _pool_gauges[pool] = (POOL.labels(pool, "in_use"), POOL.labels(pool, "waiting"))
-    gauges[0].set(in_use)
-    gauges[1].set(waiting)
+        gauges = _pool_gauges[pool] = _PoolGauges(pool)
+    if in_use != gauges.in_use:
+        gauges.in_use = in_use
+        gauges.in_use_gauge.set(in_use)
+    if waiting != gauges.waiting:
+        gauges.waiting = waiting
+        gauges.waiting_gauge.set(waiting)
 
 
 def count_read(pool: str) -> None:
-    READS.labels(pool).inc()
+    counter = _reads.get(pool)
+    if counter is None:
+        counter = _reads[pool] = READS.labels(pool)
+    counter.inc()
 
 
 def replica_lag(seconds: float) -> None:
