@@ -49,7 +49,7 @@ class Pool:
         timeout: float,
         statement_timeout: float,
         prepare_threshold: int | None,
-        on_change: Callable[[int, int], None] | None = None,
+        on_change: Callable[[str, int], None] | None = None,
     ) -> None:
         self._on_change = on_change
         self._conninfo = conninfo
@@ -140,10 +140,15 @@ class Pool:
             self._slots.release()
 
     def _changed(self, in_use: int = 0, waiting: int = 0) -> None:
-        self.in_use += in_use
-        self.waiting += waiting
-        if self._on_change is not None:
-            self._on_change(self.in_use, self.waiting)
+        """Count a change, and report the count that changed ("in_use" or "waiting")."""
+        if in_use:
+            self.in_use += in_use
+            if self._on_change is not None:
+                self._on_change("in_use", self.in_use)
+        if waiting:
+            self.waiting += waiting
+            if self._on_change is not None:
+                self._on_change("waiting", self.waiting)
 
     def _discard_idle(self) -> None:
         """After one connection was lost the others are suspect too (a restart drops them all)."""

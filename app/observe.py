@@ -64,20 +64,7 @@ OUTCOMES = frozenset({"created", "applied", "replay", "conflict", "stale_attempt
 # lock and builds the key on every request.
 _timers: dict[tuple[str, str, int], Histogram] = {}
 _reads: dict[str, Counter] = {}
-
-
-class _PoolGauges:
-    """A pool's gauges and the values they hold: each checkout sets only what changed."""
-
-    def __init__(self, pool: str) -> None:
-        self.in_use_gauge, self.waiting_gauge = (
-            POOL.labels(pool, "in_use"),
-            POOL.labels(pool, "waiting"),
-        )
-        self.in_use = self.waiting = -1
-
-
-_pool_gauges: dict[str, _PoolGauges] = {}
+_pool_gauges: dict[tuple[str, str], Gauge] = {}  # (pool, "in_use" or "waiting")
 request_id: ContextVar[str] = ContextVar("request_id", default="-")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _access = logging.getLogger("steprecord.request")
@@ -88,16 +75,13 @@ def count_event(kind: str, outcome: str, amount: int = 1) -> None:
     EVENTS.labels(kind, outcome if outcome in OUTCOMES else "refused").inc(amount)
 
 
-def pool_changed(pool: str, in_use: int, waiting: int) -> None:
-    gauges = _pool_gauges.get(pool)
-    if gauges is None:
-        gauges = _pool_gauges[pool] = _PoolGauges(pool)
-    if in_use != gauges.in_use:
-        gauges.in_use = in_use
-        gauges.in_use_gauge.set(in_use)
-    if waiting != gauges.waiting:
-        gauges.waiting = waiting
-        gauges.waiting_gauge.set(waiting)
+def pool_changed(pool: str, state: str, value: int) -> None:
+    gauge = _pool_gauges.get((pool, state))
+    if gauge is None:
+        for each in ("in_use", "waiting"):  # both series exist from the pool's first checkout
+            _pool_gauges[pool, each] = POOL.labels(pool, each)
+        gauge = _pool_gauges[pool, state]
+    gauge.set(value)
 
 
 def count_read(pool: str) -> None:
