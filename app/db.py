@@ -61,6 +61,9 @@ class Pool:
         self.size = size
         self.in_use = 0
         self.waiting = 0
+        if on_change is not None:  # both counts are reported from the start
+            on_change("in_use", 0)
+            on_change("waiting", 0)
 
     async def _connect(self) -> AsyncConn:
         conn = await psycopg.AsyncConnection.connect(

@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from contextvars import ContextVar
+from typing import Any, TypeVar
 
 import orjson
 from prometheus_client import (
@@ -24,6 +25,7 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
+from prometheus_client.metrics import MetricWrapperBase
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -58,13 +60,12 @@ STREAMS_OPEN = Gauge(
     "Live-update streams open.",
     multiprocess_mode="livesum",
 )
+M = TypeVar("M", bound=MetricWrapperBase)
 OUTCOMES = frozenset({"created", "applied", "replay", "conflict", "stale_attempt", "swept"})
 
-# The histogram's child per (method, route, status): prometheus_client's own lookup takes a
-# lock and builds the key on every request.
-_timers: dict[tuple[str, str, int], Histogram] = {}
-_reads: dict[str, Counter] = {}
-_pool_gauges: dict[tuple[str, str], Gauge] = {}  # (pool, "in_use" or "waiting")
+# Each metric's child per label values: prometheus_client's own lookup takes a lock and builds
+# the key on every call, and these are updated on every request.
+_children: dict[tuple[object, ...], Any] = {}
 request_id: ContextVar[str] = ContextVar("request_id", default="-")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _access = logging.getLogger("steprecord.request")
@@ -75,20 +76,19 @@ def count_event(kind: str, outcome: str, amount: int = 1) -> None:
     EVENTS.labels(kind, outcome if outcome in OUTCOMES else "refused").inc(amount)
 
 
+def _child(metric: M, *labels: str) -> M:
+    child = _children.get((metric, *labels))
+    if child is None:
+        child = _children[metric, *labels] = metric.labels(*labels)
+    return child
+
+
 def pool_changed(pool: str, state: str, value: int) -> None:
-    gauge = _pool_gauges.get((pool, state))
-    if gauge is None:
-        for each in ("in_use", "waiting"):  # both series exist from the pool's first checkout
-            _pool_gauges[pool, each] = POOL.labels(pool, each)
-        gauge = _pool_gauges[pool, state]
-    gauge.set(value)
+    _child(POOL, pool, state).set(value)
 
 
 def count_read(pool: str) -> None:
-    counter = _reads.get(pool)
-    if counter is None:
-        counter = _reads[pool] = READS.labels(pool)
-    counter.inc()
+    _child(READS, pool).inc()
 
 
 def replica_lag(seconds: float) -> None:
@@ -184,11 +184,7 @@ class Observe:
             seconds = time.perf_counter() - began
             template = _template(scope)
             method = scope["method"]
-            timer = _timers.get((method, template, status))
-            if timer is None:
-                timer = REQUEST_SECONDS.labels(method, template, str(status))
-                _timers[method, template, status] = timer
-            timer.observe(seconds)
+            _child(REQUEST_SECONDS, method, template, str(status)).observe(seconds)
             _access.info(
                 "request",
                 extra={
