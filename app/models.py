@@ -5,6 +5,7 @@ The triggers (transitions, history, live-update notifications) live in the migra
 migrations by a test.
 """
 
+import re
 from datetime import datetime
 
 from sqlalchemy import (
@@ -43,6 +44,7 @@ STATUSES = ("pending", "running", "completed", "failed")
 ATTEMPT_STATUSES = ("running", "completed", "failed", "superseded")
 LEASED = "status = 'running' AND lease_expires_at IS NOT NULL"
 NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$"
+NAME_RE = re.compile(NAME_PATTERN)
 URL_PATTERN = "^[A-Za-z][A-Za-z0-9+.-]*://"
 MAX_OUTPUT_BYTES = 1024 * 1024
 MAX_MESSAGE_BYTES = 65536

@@ -22,7 +22,7 @@ from starlette.types import Scope
 from app import cursors, static, steps
 from app.db import AsyncConn
 from app.errors import Problem
-from app.models import NAME_PATTERN
+from app.models import NAME_RE
 from app.replica import ReadPool
 from app.serialize import timestamp
 
@@ -40,7 +40,6 @@ MAX_STEPS = 1000  # the most steps an instance page shows; the API lists any num
 LIST_SIZE = 100
 MAX_LOGIN_BYTES = 4096
 PREFIX_RE = re.compile(r"[A-Za-z0-9._:-]{1,200}")
-NAME_RE = re.compile(NAME_PATTERN)
 # The timeline: labels take the left LABEL percent of its width, bars the next AREA percent.
 LABEL, AREA = 22.0, 77.0
 LANE, AXIS = 18, 22

@@ -1,5 +1,6 @@
 """The reads (README, "Reads"): lists in both orders, cursors, filters, summaries, instances."""
 
+import asyncio
 import base64
 import zoneinfo
 from datetime import UTC, datetime, timedelta, timezone, tzinfo
@@ -10,7 +11,8 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row, tuple_row
 
-from app import steps
+from app import routes, steps
+from app.main import create_app
 from app.serialize import RECORD_KEYS, dumps, page_json, record_json, timestamp
 from tests.helpers import T1, T2, T3, post, problem, record
 
@@ -283,3 +285,94 @@ def test_answers_render_a_utc_time_exactly_as_the_documented_format(
     value = datetime(2026, 12, 4, 5, 1, 7, microsecond, tzinfo=zone)
     assert dumps({"t": value}) == f'{{"t":"{timestamp(value)}"}}'.encode()
     assert timestamp(value).endswith(("07Z", f".{microsecond:06d}Z"))
+
+
+# The page read's plain way (`app.routes.PageRoute`) and FastAPI's, each query with its status.
+PLAIN_QUERIES = {
+    "": 200,
+    "limit=2": 200,
+    "limit=1000": 200,
+    "order=ordinal&limit=1": 200,
+    "order=started_at&limit=2": 200,
+    "fields=summary&limit=3": 200,
+    "status=running,failed": 200,
+    "status=%20failed%20,completed": 200,
+    "status=": 422,
+    "status=bogus": 422,
+    "cursor=garbage!": 422,
+    "cursor=": 422,
+    "order=started_at&cursor=WyJvIiwwXQ": 422,  # a cursor of the other order
+}
+# Each of these takes FastAPI's way, which validates, refuses or accepts them as for any route.
+OTHER_QUERIES = {
+    "limit=0": 422,
+    "limit=1001": 422,
+    "limit=02": 200,
+    "limit=%2B2": 200,
+    "limit=x": 422,
+    "limit=2&limit=3": 200,
+    "order=bogus": 422,
+    "order=Ordinal": 422,
+    "fields=none": 422,
+    "limt=2": 422,
+}
+
+
+def page_answers(paths: list[str]) -> list[tuple[int, str, bytes]]:
+    """Status, media type and body of each GET, from an app of this code run in this process."""
+
+    async def fetch() -> list[tuple[int, str, bytes]]:
+        service = create_app()
+        async with service.router.lifespan_context(service):
+            transport = httpx.ASGITransport(app=service)
+            base = "http://127.0.0.1:8000"  # a direct request: anonymous while no token exists
+            async with httpx.AsyncClient(transport=transport, base_url=base) as c:
+                answers = [await c.get(path) for path in paths]
+        return [(a.status_code, a.headers["content-type"], a.content) for a in answers]
+
+    return asyncio.run(fetch())
+
+
+@pytest.mark.usefixtures("history")
+def test_the_plain_way_answers_every_page_as_fastapis_way(
+    client: httpx.Client, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DATABASE_URL", database_url)
+    first = client.get(STEPS, params={"limit": 2}).json()["next_cursor"]
+    by_start = client.get(STEPS, params={"limit": 2, "order": "started_at"}).json()["next_cursor"]
+    expected = {f"{STEPS}?{query}": status for query, status in PLAIN_QUERIES.items()}
+    expected |= {f"{STEPS}?{query}": status for query, status in OTHER_QUERIES.items()}
+    expected |= {
+        f"{STEPS}?cursor={first}": 200,
+        f"{STEPS}?order=started_at&cursor={by_start}": 200,
+        "/v1/instances/nobody/steps": 404,
+        "/v1/instances/-bad/steps?limit=2": 422,
+    }
+    paths = list(expected)
+    plain = page_answers(paths)
+    monkeypatch.setattr(routes.PageRoute, "handle", routes.KnownQuery.handle)
+    fastapi_way = page_answers(paths)
+    for path, one, other in zip(paths, plain, fastapi_way, strict=True):
+        assert one == other, path
+        assert one[0] == expected[path], path
+
+
+class TookFastAPIsWay(Exception):
+    pass
+
+
+@pytest.mark.usefixtures("history")
+def test_a_plain_page_query_is_answered_without_fastapis_parameter_handling(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DATABASE_URL", database_url)
+
+    async def refuse(*args: Any) -> None:
+        raise TookFastAPIsWay
+
+    monkeypatch.setattr(routes.KnownQuery, "handle", refuse)
+    paths = [f"{STEPS}?{query}" for query in PLAIN_QUERIES]
+    assert [status for status, _, _ in page_answers(paths)] == list(PLAIN_QUERIES.values())
+    for query in OTHER_QUERIES:
+        with pytest.raises(TookFastAPIsWay):
+            page_answers([f"{STEPS}?{query}"])
