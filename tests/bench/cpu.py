@@ -5,7 +5,8 @@ On a machine the loads saturate, the ratio of two throughputs is the inverse rat
 each spends per operation; this splits that CPU by process kind (the service's workers,
 PostgreSQL's backends, the load generator), so a missed ratio shows what is in the way.
 It runs `batch.lua`, `batch.sql` and `batch_judge.sql` (pgbench passing the same batches to the
-service's merge function), then `reads.lua` and the read query, at 16 connections as `run.py`
+service's merge function), then `reads.lua` against the service and against `floor.py` (the
+same read with no framework or features), and the read query, at 16 connections as `run.py`
 does, in alternating rounds, and prints the CPU time per operation of each.
 Linux only (it reads /proc).
 """
@@ -18,6 +19,7 @@ import resource
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +27,9 @@ from tests.bench import run
 from tests.bench.run import Load
 
 TICK = os.sysconf("SC_CLK_TCK")
+# A bare ASGI app doing only what a page read needs (floor.py): what the service costs beyond it
+# is its framework's and its features'.
+FLOOR = "tests.bench.floor:app"
 
 
 def _stat(pid: str) -> tuple[str, int, float, float] | None:
@@ -81,6 +86,14 @@ def line(name: str, load: Load, spent: dict[str, float], unit: float, label: str
     return f"{name:8s} {rate}   {label}: {parts}; total {total:,.{digits}f}"
 
 
+def same_page(base: str, floor_base: str) -> None:
+    """The floor answers a page exactly as the service does, so it does the same work."""
+    path = f"/v1/instances/r1/steps?order=ordinal&limit={run.READ_LIMIT}"
+    answers = [urllib.request.urlopen(url + path).read() for url in (base, floor_base)]
+    if answers[0] != answers[1]:
+        raise RuntimeError(f"the floor's page differs from the service's:\n{answers}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -91,8 +104,9 @@ def main() -> int:
         run.postgres_server(Path(tmp_name)) as server,
         run.fresh_database(server, run.DB_NAME) as dsn,
         run.service(dsn, Path(tmp_name) / "service.log") as base,
+        run.service(dsn, Path(tmp_name) / "floor.log", FLOOR) as floor_base,
     ):
-        root = run.service_pid(base)
+        root, floor_root = run.service_pid(base), run.service_pid(floor_base)
         bench = run.Bench(
             dsn, base, dsn, base, Path(tmp_name), args.duration, 2, 16, 8, 1, "simple"
         )
@@ -125,10 +139,16 @@ def main() -> int:
         instances = run.SMALL_TABLE // run.STEPS_PER_INSTANCE
         script = run.read_script("ordinal", Path(tmp_name) / "read.sql")
         args_lua = ["r", instances, "ordinal", run.READ_LIMIT]
+        same_page(base, floor_base)
         run.wrk(base, "reads.lua", 16, 2, args_lua, 1)
+        run.wrk(floor_base, "reads.lua", 16, 2, args_lua, 1)
         for _ in range(args.rounds):
             served = measured(
                 root, lambda: run.wrk(base, "reads.lua", 16, args.duration, args_lua, 1)
+            )
+            bare = measured(
+                floor_root,
+                lambda: run.wrk(floor_base, "reads.lua", 16, args.duration, args_lua, 1),
             )
             direct = measured(
                 root,
@@ -137,8 +157,9 @@ def main() -> int:
                 ),
             )
             print(line("service", *served, 1e6, "us"), flush=True)
+            print(line("floor", *bare, 1e6, "us"), flush=True)
             print(line("pgbench", *direct, 1e6, "us"), flush=True)
-            errors += [load for load, _ in (served, direct) if load.errors]
+            errors += [load for load, _ in (served, bare, direct) if load.errors]
     return 1 if errors else 0
 
 

@@ -170,11 +170,16 @@ def service_pid(base: str) -> int:
 
 
 @contextmanager
-def service(dsn: str, log: Path) -> Iterator[str]:
-    """`steprecord serve --workers 2` on the bench database; yields its base URL."""
+def service(dsn: str, log: Path, asgi_app: str | None = None) -> Iterator[str]:
+    """`steprecord serve --workers 2` on the bench database, or uvicorn serving `asgi_app`
+    (`module:name`) as many workers; yields its base URL."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1"]
+    if asgi_app is None:
+        command = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1"]
+    else:
+        command = [sys.executable, "-m", "uvicorn", asgi_app, "--no-access-log", "--host"]
+        command += ["127.0.0.1"]
     command += ["--port", str(port), "--workers", str(WORKERS)]
     env = {**os.environ, "DATABASE_URL": dsn}
     with log.open("wb") as out:
