@@ -73,7 +73,7 @@ _access = logging.getLogger("steprecord.request")
 
 def count_event(kind: str, outcome: str, amount: int = 1) -> None:
     """Count events; anything that is not one of the outcomes above was refused."""
-    EVENTS.labels(kind, outcome if outcome in OUTCOMES else "refused").inc(amount)
+    _child(EVENTS, kind, outcome if outcome in OUTCOMES else "refused").inc(amount)
 
 
 def _child(metric: M, *labels: str) -> M:
