@@ -17,18 +17,16 @@ Why each statement is here:
    both insert in the same order, so one waits for the other instead of deadlocking.
    Existing rows were already locked in id order (`ORDER BY ... FOR UPDATE`).
 
-The function's text is revision 0007's with exactly these two `ORDER BY` clauses added (each
-edit must match once, or the upgrade stops): the judging cannot drift between the two.
-Downgrade replaces it with revision 0007's function again.
+The function's text (frozen in `0008_ordered_inserts.up.sql`) is revision 0007's with exactly
+these two `ORDER BY` clauses added. Downgrade restores revision 0007's function, whose text
+`0008_ordered_inserts.down.sql` keeps.
 
 Revision ID: 0008
 Revises: 0007
 Create Date: 2026-12-03
 """
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
 from alembic import op
 
@@ -37,68 +35,15 @@ down_revision = "0007"
 branch_labels = None
 depends_on = None
 
-SIGNATURE = """
-    int[], text[], text[], text[], bigint[], timestamptz[], timestamptz[], text[], text[],
-    text[], text[], bigint[], int[]
-"""
-# (what 0007's statement says, what it says from now on)
-ORDERS = (
-    (
-        """
-        GROUP BY a.instance_key
-        ON CONFLICT ON CONSTRAINT uq_process_instance_instance_key DO NOTHING""",
-        """
-        GROUP BY a.instance_key
-        ORDER BY a.instance_key
-        ON CONFLICT ON CONSTRAINT uq_process_instance_instance_key DO NOTHING""",
-    ),
-    (
-        """
-        WHERE a.ordinal <= 2147483647
-        RETURNING r.*""",
-        """
-        WHERE a.ordinal <= 2147483647
-        ORDER BY inst.id, e.step_slug
-        RETURNING r.*""",
-    ),
-)
+# The frozen text this revision installs, beside this file and read by it alone.
+UP = Path(__file__).with_suffix(".up.sql")
+# The text of the revision before, which the downgrade restores.
+DOWN = Path(__file__).with_suffix(".down.sql")
 
 
 def upgrade() -> None:
-    previous = _revision_0007()
-    statement = previous.APPLY_EVENTS
-    for before, after in ORDERS:
-        if statement.count(before) != 1:
-            raise RuntimeError(f"revision 0007's merge does not read as expected: {before!r}")
-        statement = statement.replace(before, after)
-    _create(previous.RECORD_COLUMNS, statement)
+    op.execute(UP.read_text())
 
 
 def downgrade() -> None:
-    previous = _revision_0007()
-    _create(previous.RECORD_COLUMNS, previous.APPLY_EVENTS)
-
-
-def _create(record_columns: str, statement: str) -> None:
-    op.execute(f"""
-        CREATE OR REPLACE FUNCTION steprecord_apply_events({SIGNATURE})
-        RETURNS TABLE (i integer, outcome text, {record_columns})
-        LANGUAGE plpgsql
-        SET plan_cache_mode = force_generic_plan
-        AS $fn$
-        #variable_conflict use_column
-        BEGIN
-            RETURN QUERY {statement};
-        END
-        $fn$
-    """)
-
-
-def _revision_0007() -> ModuleType:
-    path = Path(__file__).with_name("0007_merge_function.py")
-    spec = importlib.util.spec_from_file_location("steprecord_migration_0007", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    op.execute(DOWN.read_text())

@@ -30,6 +30,8 @@ Revises: 0011
 Create Date: 2026-12-04
 """
 
+from pathlib import Path
+
 from alembic import op
 
 revision = "0012"
@@ -37,86 +39,13 @@ down_revision = "0011"
 branch_labels = None
 depends_on = None
 
-SIGNATURE = "text, text, integer, timestamptz, bigint, text[], integer"
-
-COLUMNS = (
-    "r.id, p.instance_key, r.step_slug, r.ordinal, r.status, r.attempt_count, r.output::text,"
-    " r.external_output_url, r.started_at, r.completed_at, r.lease_expires_at, r.error_code,"
-    " r.error_message, r.created_at, r.updated_at"
-)
-STATUS_FILTER = "AND (p_statuses IS NULL OR r.status = ANY(p_statuses))"
-
-BY_ORDINAL = f"""
-    SELECT {COLUMNS}
-    FROM process_instance p
-    LEFT JOIN LATERAL (
-        SELECT * FROM workflow_step_record r
-        WHERE r.instance_id = p.id AND r.ordinal > p_after_ordinal {STATUS_FILTER}
-        ORDER BY r.ordinal
-        LIMIT p_max_rows
-    ) r ON true
-    WHERE p.instance_key = p_instance_key
-"""
-STARTED = f"""
-    (SELECT * FROM workflow_step_record r
-     WHERE r.instance_id = p.id
-       AND (r.started_at, r.id) > (p_after_started_at, p_after_id) {STATUS_FILTER}
-     ORDER BY r.started_at, r.id
-     LIMIT p_max_rows)
-"""
-UNSTARTED = f"""
-    (SELECT * FROM workflow_step_record r
-     WHERE r.instance_id = p.id AND r.started_at IS NULL
-       AND r.id > {{after_id}} {STATUS_FILTER}
-     ORDER BY r.started_at, r.id
-     LIMIT p_max_rows)
-"""
-# Started steps by (started_at, id), then never-started ones by id: two index range scans
-# appended, so neither needs a sort.
-BY_STARTED_AT = f"""
-    SELECT {COLUMNS}
-    FROM process_instance p
-    LEFT JOIN LATERAL (
-        {STARTED} UNION ALL {UNSTARTED.format(after_id="0")} LIMIT p_max_rows
-    ) r ON true
-    WHERE p.instance_key = p_instance_key
-"""
-ONLY_UNSTARTED = f"""
-    SELECT {COLUMNS}
-    FROM process_instance p
-    LEFT JOIN LATERAL {UNSTARTED.format(after_id="p_after_id")} r ON true
-    WHERE p.instance_key = p_instance_key
-"""
+# The frozen text this revision installs, beside this file and read by it alone.
+UP = Path(__file__).with_suffix(".up.sql")
 
 
 def upgrade() -> None:
-    op.execute(f"""
-        CREATE FUNCTION steprecord_list_page(
-            p_instance_key text, p_order text, p_after_ordinal integer,
-            p_after_started_at timestamptz, p_after_id bigint, p_statuses text[],
-            p_max_rows integer
-        ) RETURNS TABLE (
-            id bigint, instance_key text, step_slug text, ordinal integer, status text,
-            attempt_count integer, output text, external_output_url text,
-            started_at timestamptz, completed_at timestamptz, lease_expires_at timestamptz,
-            error_code text, error_message text, created_at timestamptz, updated_at timestamptz
-        )
-        LANGUAGE plpgsql STABLE
-        SET plan_cache_mode = force_generic_plan
-        AS $fn$
-        #variable_conflict use_column
-        BEGIN
-            IF p_order = 'ordinal' THEN
-                RETURN QUERY {BY_ORDINAL};
-            ELSIF p_after_started_at IS NULL THEN
-                RETURN QUERY {ONLY_UNSTARTED};
-            ELSE
-                RETURN QUERY {BY_STARTED_AT};
-            END IF;
-        END
-        $fn$
-    """)
+    op.execute(UP.read_text())
 
 
 def downgrade() -> None:
-    op.execute(f"DROP FUNCTION steprecord_list_page({SIGNATURE})")
+    op.execute("DROP FUNCTION steprecord_list_page(text, text, integer, timestamptz, bigint, text[], integer)")
