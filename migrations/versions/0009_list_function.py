@@ -39,6 +39,7 @@ down_revision = "0008"
 branch_labels = None
 depends_on = None
 
+SIGNATURE = "text, text, integer, timestamptz, bigint, text[], integer, boolean"
 # The frozen text this revision installs, beside this file and read by it alone.
 UP = Path(__file__).with_suffix(".up.sql")
 
@@ -48,4 +49,4 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.execute("DROP FUNCTION steprecord_list_steps(text, text, integer, timestamptz, bigint, text[], integer, boolean)")
+    op.execute(f"DROP FUNCTION steprecord_list_steps({SIGNATURE})")

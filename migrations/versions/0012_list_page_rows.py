@@ -39,6 +39,7 @@ down_revision = "0011"
 branch_labels = None
 depends_on = None
 
+SIGNATURE = "text, text, integer, timestamptz, bigint, text[], integer"
 # The frozen text this revision installs, beside this file and read by it alone.
 UP = Path(__file__).with_suffix(".up.sql")
 
@@ -48,4 +49,4 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.execute("DROP FUNCTION steprecord_list_page(text, text, integer, timestamptz, bigint, text[], integer)")
+    op.execute(f"DROP FUNCTION steprecord_list_page({SIGNATURE})")
