@@ -371,7 +371,6 @@ def test_migrations_upgrade_downgrade_and_upgrade_again(scratch_database: str) -
         "steprecord_apply_events",
         "steprecord_heartbeat",
         "steprecord_list_page",
-        "steprecord_list_steps",
     }
     config = alembic_config()
     config.attributes["database_url"] = scratch_database

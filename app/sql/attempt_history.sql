@@ -1,0 +1,140 @@
+-- The attempt history (workflow_step_attempt): one row per attempt of a record, written by
+-- the database itself in the same statement as the record, whoever writes the record.
+--
+-- Three functions, three triggers:
+--   * workflow_step_record_history_insert / _update (statement triggers with transition
+--     tables on workflow_step_record): every write to a record — the judge, a batch, the
+--     sweeper, a hand-written UPDATE — brings the history up to date, set-based;
+--   * workflow_step_attempt_guard (row trigger on workflow_step_attempt): the history is
+--     written only by those triggers, and a finished attempt never changes.
+
+-- After records are inserted: the new record's attempt, unless it is pending (a pending
+-- record has no attempt yet). The upsert is shared with _update below: an attempt row
+-- exists from the moment its attempt starts and is brought up to date by every write of
+-- its record; the WHERE skips writes that change nothing the history shows. A running
+-- attempt mirrors the record's lease; a finished one keeps the last lease it held.
+CREATE OR REPLACE FUNCTION workflow_step_record_history_insert() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+BEGIN
+    INSERT INTO workflow_step_attempt AS a (
+        instance_id, record_id, attempt, status, started_at, completed_at, output,
+        external_output_url, error_code, error_message, lease_expires_at,
+        created_at, updated_at)
+    SELECT n.instance_id, n.id, n.attempt_count, n.status, n.started_at,
+           n.completed_at, n.output, n.external_output_url, n.error_code,
+           n.error_message, n.lease_expires_at, n.updated_at, n.updated_at
+    FROM new_rows n
+    WHERE n.status <> 'pending'
+    ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_record_id_attempt DO UPDATE SET
+        status = EXCLUDED.status,
+        started_at = EXCLUDED.started_at,
+        completed_at = EXCLUDED.completed_at,
+        output = EXCLUDED.output,
+        external_output_url = EXCLUDED.external_output_url,
+        error_code = EXCLUDED.error_code,
+        error_message = EXCLUDED.error_message,
+        lease_expires_at = CASE WHEN EXCLUDED.status = 'running'
+                                THEN EXCLUDED.lease_expires_at ELSE a.lease_expires_at END,
+        updated_at = EXCLUDED.updated_at
+    WHERE (a.status, a.started_at, a.completed_at, a.output, a.external_output_url,
+           a.error_code, a.error_message, a.lease_expires_at)
+          IS DISTINCT FROM
+          (EXCLUDED.status, EXCLUDED.started_at, EXCLUDED.completed_at, EXCLUDED.output,
+           EXCLUDED.external_output_url, EXCLUDED.error_code, EXCLUDED.error_message,
+           CASE WHEN EXCLUDED.status = 'running'
+                THEN EXCLUDED.lease_expires_at ELSE a.lease_expires_at END);
+    RETURN NULL;
+END
+$fn$;
+
+-- After records are updated: first, a running attempt overtaken by a higher attempt
+-- becomes `superseded` (it started and never reported an end; completed_at = when the next
+-- attempt took over, never before its own start). Then the record's current attempt is
+-- inserted or brought up to date, as after an insert.
+CREATE OR REPLACE FUNCTION workflow_step_record_history_update() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+BEGIN
+    UPDATE workflow_step_attempt a SET
+        status = 'superseded',
+        completed_at = GREATEST(a.started_at, COALESCE(n.started_at, n.updated_at)),
+        updated_at = n.updated_at
+    FROM old_rows o JOIN new_rows n ON n.id = o.id
+    WHERE o.status = 'running' AND n.attempt_count > o.attempt_count
+      AND a.record_id = o.id AND a.attempt = o.attempt_count AND a.status = 'running';
+
+    INSERT INTO workflow_step_attempt AS a (
+        instance_id, record_id, attempt, status, started_at, completed_at, output,
+        external_output_url, error_code, error_message, lease_expires_at,
+        created_at, updated_at)
+    SELECT n.instance_id, n.id, n.attempt_count, n.status, n.started_at,
+           n.completed_at, n.output, n.external_output_url, n.error_code,
+           n.error_message, n.lease_expires_at, n.updated_at, n.updated_at
+    FROM new_rows n
+    WHERE n.status <> 'pending'
+    ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_record_id_attempt DO UPDATE SET
+        status = EXCLUDED.status,
+        started_at = EXCLUDED.started_at,
+        completed_at = EXCLUDED.completed_at,
+        output = EXCLUDED.output,
+        external_output_url = EXCLUDED.external_output_url,
+        error_code = EXCLUDED.error_code,
+        error_message = EXCLUDED.error_message,
+        lease_expires_at = CASE WHEN EXCLUDED.status = 'running'
+                                THEN EXCLUDED.lease_expires_at ELSE a.lease_expires_at END,
+        updated_at = EXCLUDED.updated_at
+    WHERE (a.status, a.started_at, a.completed_at, a.output, a.external_output_url,
+           a.error_code, a.error_message, a.lease_expires_at)
+          IS DISTINCT FROM
+          (EXCLUDED.status, EXCLUDED.started_at, EXCLUDED.completed_at, EXCLUDED.output,
+           EXCLUDED.external_output_url, EXCLUDED.error_code, EXCLUDED.error_message,
+           CASE WHEN EXCLUDED.status = 'running'
+                THEN EXCLUDED.lease_expires_at ELSE a.lease_expires_at END);
+    RETURN NULL;
+END
+$fn$;
+
+CREATE OR REPLACE TRIGGER tr_workflow_step_record_history_insert
+AFTER INSERT ON workflow_step_record
+REFERENCING NEW TABLE AS new_rows
+FOR EACH STATEMENT EXECUTE FUNCTION workflow_step_record_history_insert();
+
+CREATE OR REPLACE TRIGGER tr_workflow_step_record_history_update
+AFTER UPDATE ON workflow_step_record
+REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+FOR EACH STATEMENT EXECUTE FUNCTION workflow_step_record_history_update();
+
+-- The history's guard, so that it cannot disagree with the record:
+--   * it is written only by the record's triggers (trigger depth 2 and more): a
+--     hand-written INSERT, UPDATE or DELETE of the history is refused (deleting a record's
+--     instance still cascades: the cascade runs as a trigger too);
+--   * a finished or superseded attempt never changes;
+--   * identities never change.
+-- It raises check_violation naming tr_workflow_step_attempt_guard, like a CHECK.
+CREATE OR REPLACE FUNCTION workflow_step_attempt_guard() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    why text;
+BEGIN
+    IF pg_trigger_depth() < 2 THEN
+        why := 'the history is written only through workflow_step_record';
+    ELSIF TG_OP = 'UPDATE' AND OLD.status <> 'running' THEN
+        why := 'a finished or superseded attempt never changes';
+    ELSIF TG_OP = 'UPDATE'
+          AND (NEW.id, NEW.instance_id, NEW.record_id, NEW.attempt, NEW.created_at)
+              IS DISTINCT FROM
+              (OLD.id, OLD.instance_id, OLD.record_id, OLD.attempt, OLD.created_at) THEN
+        why := 'id, instance_id, record_id, attempt and created_at never change';
+    END IF;
+    IF why IS NOT NULL THEN
+        RAISE EXCEPTION 'workflow_step_attempt: %', why
+            USING ERRCODE = 'check_violation',
+                  CONSTRAINT = 'tr_workflow_step_attempt_guard',
+                  TABLE = 'workflow_step_attempt';
+    END IF;
+    RETURN CASE TG_OP WHEN 'DELETE' THEN OLD ELSE NEW END;
+END
+$fn$;
+
+CREATE OR REPLACE TRIGGER tr_workflow_step_attempt_guard
+BEFORE INSERT OR UPDATE OR DELETE ON workflow_step_attempt
+FOR EACH ROW EXECUTE FUNCTION workflow_step_attempt_guard();

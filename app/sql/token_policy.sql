@@ -1,0 +1,19 @@
+-- Once a token has existed, having none left does not reopen anonymous access.
+--
+-- Whenever a token is inserted (by `steprecord token create` or by hand), access_policy's
+-- one row says tokens_required, so revoking the last token closes the service instead of
+-- opening it. It upserts, so a policy row deleted by hand comes back. Only `steprecord
+-- token allow-anonymous` sets it back to false, an explicit choice.
+CREATE OR REPLACE FUNCTION api_token_require_tokens() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+BEGIN
+    INSERT INTO access_policy (tokens_required) VALUES (true)
+    ON CONFLICT (id) DO UPDATE SET tokens_required = true, updated_at = now()
+    WHERE NOT access_policy.tokens_required;
+    RETURN NULL;
+END
+$fn$;
+
+CREATE OR REPLACE TRIGGER tr_api_token_requires_tokens
+AFTER INSERT ON api_token
+FOR EACH ROW EXECUTE FUNCTION api_token_require_tokens();
