@@ -18,13 +18,15 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app import docs, steps, ui
+from app import docs, domain, ui
 from app.config import is_loopback
+from app.data import tokens
 from app.db import DatabaseUnavailable, Pool
 from app.errors import Problem, problem_response
 
@@ -63,6 +65,22 @@ class Grant:
     digest: bytes
 
 
+def _log_access(tokens: int, anonymous_allowed: bool) -> None:
+    """One line when this worker's view of access changes (and at its first load): when each
+    worker took a created or revoked token into account, for an audit and for the tests."""
+    anonymous = "anonymous access on loopback" if anonymous_allowed else "no anonymous access"
+    message = f"access loaded: {tokens} active token{'s' * (tokens != 1)}, {anonymous}"
+    fields = {
+        "level": "info",
+        "logger": log.name,
+        "message": message,
+        "worker": os.getpid(),
+        "active_tokens": tokens,
+        "anonymous_allowed": anonymous_allowed,
+    }
+    log.info(message, extra={"fields": fields})
+
+
 class Tokens:
     def __init__(self, pool: Pool, *, insecure_no_auth: bool, refresh: float) -> None:
         self._pool = pool
@@ -77,17 +95,22 @@ class Tokens:
             if self._used:
                 used, self._used = self._used, set()
                 try:
-                    await steps.touch_tokens(conn, sorted(used))
+                    await tokens.touch_tokens(conn, sorted(used))
                 except BaseException:
                     self._used |= used
                     raise
-            rows = await steps.active_tokens(conn)
-            anonymous_allowed = await steps.anonymous_allowed(conn)
-        self._anonymous_allowed = anonymous_allowed
-        self._grants = {
+            rows = await tokens.active_tokens(conn)
+            anonymous_allowed = await tokens.anonymous_allowed(conn)
+        grants = {
             bytes(r["token_sha256"]): Grant(r["id"], r["scope"], bytes(r["token_sha256"]))
             for r in rows
         }
+        changed = self._grants is None or (
+            grants.keys() != self._grants.keys() or anonymous_allowed != self._anonymous_allowed
+        )
+        self._anonymous_allowed, self._grants = anonymous_allowed, grants
+        if changed:
+            _log_access(len(grants), anonymous_allowed)
 
     async def keep_loading(self) -> None:
         """Reload for as long as the worker runs: a reload that stopped would keep revoked
@@ -98,7 +121,7 @@ class Tokens:
             try:
                 await self.load()
                 failures = 0
-            except (DatabaseUnavailable, steps.SchemaMissing) as exc:
+            except (DatabaseUnavailable, domain.SchemaMissing) as exc:
                 log.warning("tokens not reloaded: %s", exc)
             except Exception:
                 log.exception("tokens not reloaded: unexpected error")

@@ -19,9 +19,10 @@ from psycopg.rows import dict_row
 from pydantic import AliasChoices
 from uvicorn.supervisors import Multiprocess
 
-from app import steps
+from app import domain
 from app.access import SCOPES, new_token
 from app.config import Settings, is_loopback, redact
+from app.data import tokens
 from app.embedded import EmbeddedPostgres
 from app.main import alembic_config, create_app
 
@@ -58,7 +59,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 async def _count_tokens(url: str) -> int:
     async with await psycopg.AsyncConnection.connect(url, row_factory=dict_row) as conn:
-        return len(await steps.active_tokens(conn))
+        return len(await tokens.active_tokens(conn))
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -169,8 +170,8 @@ async def _token(args: argparse.Namespace, url: str) -> int:
         if args.action == "create":
             token, digest = new_token()
             try:
-                await steps.create_token(conn, args.name, args.scope, digest)
-            except steps.ConstraintViolation as exc:
+                await tokens.create_token(conn, args.name, args.scope, digest)
+            except domain.ConstraintViolation as exc:
                 print(
                     f"cannot create token {args.name!r}: {_refusal(exc, args.name)}",
                     file=sys.stderr,
@@ -181,7 +182,7 @@ async def _token(args: argparse.Namespace, url: str) -> int:
                 f"created {args.scope} token {args.name!r}; it is shown only once", file=sys.stderr
             )
         elif args.action == "list":
-            for row in await steps.list_tokens(conn):
+            for row in await tokens.list_tokens(conn):
                 used = row["last_used_at"].isoformat() if row["last_used_at"] else "never"
                 print(
                     f"{row['name']}\t{row['scope']}\tcreated {row['created_at'].isoformat()}"
@@ -189,7 +190,7 @@ async def _token(args: argparse.Namespace, url: str) -> int:
                 )
             print(USE_RECORDED.format(seconds=Settings().token_refresh_seconds), file=sys.stderr)
         elif args.action == "allow-anonymous":
-            if not await steps.allow_anonymous(conn):
+            if not await tokens.allow_anonymous(conn):
                 print(
                     "tokens exist: revoke them first (anonymous access applies only when none"
                     " is left)",
@@ -203,7 +204,7 @@ async def _token(args: argparse.Namespace, url: str) -> int:
                 file=sys.stderr,
             )
         else:
-            remaining = await steps.revoke_token(conn, args.name)
+            remaining = await tokens.revoke_token(conn, args.name)
             if remaining is None:
                 print(f"no token named {args.name!r}", file=sys.stderr)
                 return 1
@@ -224,7 +225,7 @@ USE_RECORDED = (
 )
 
 
-def _refusal(exc: steps.ConstraintViolation, name: str) -> str:
+def _refusal(exc: domain.ConstraintViolation, name: str) -> str:
     if exc.constraint == "uq_api_token_name":
         return f"a token of that name exists (revoke it with: steprecord token revoke {name})"
     if exc.constraint == "ck_api_token_name_format":

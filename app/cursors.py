@@ -7,8 +7,8 @@ from typing import Any
 
 import orjson
 
+from app.domain import Order
 from app.errors import validation_problem
-from app.steps import Order
 
 # What each kind of cursor pages through, as a person would ask for it.
 LISTINGS = {

@@ -8,9 +8,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from app.db import DatabaseUnavailable
-from app.models import MAX_OUTPUT_BYTES
-from app.serialize import dumps
-from app.steps import (
+from app.domain import (
     ConstraintViolation,
     Contention,
     InstanceNotFound,
@@ -18,6 +16,8 @@ from app.steps import (
     OutputTooLarge,
     StepNotFound,
 )
+from app.models import MAX_OUTPUT_BYTES
+from app.serialize import dumps
 
 PROBLEM_TYPE = "urn:steprecord:problem:"
 RETRY_AFTER_SECONDS = "1"

@@ -17,10 +17,10 @@ from pydantic import (
     field_validator,
 )
 
+from app.domain import Event, Kind
 from app.errors import NAME_RULE, Problem, validation_problem
 from app.models import MAX_INT4, MAX_MESSAGE_BYTES, MAX_URL_CHARS, NAME_PATTERN, URL_PATTERN
 from app.serialize import dumps_value
-from app.steps import Event, Kind
 
 KINDS: tuple[Kind, ...] = ("declare", "start", "complete", "fail", "heartbeat")
 MAX_LEASE_SECONDS = 86400

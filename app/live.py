@@ -16,7 +16,7 @@ says what it has sent, and once the listener (re)starts every stream reads once.
 keepalive is followed by a read too, so no change can wait longer than one heartbeat.
 
 With a read replica, the reads go to the replica while it is healthy and to the primary
-otherwise; a position means the same on both (see `steps.STREAM_CHANGES`). A notification
+otherwise; a position means the same on both (see `stream.STREAM_CHANGES`). A notification
 comes from the primary at commit, and the replica may not have replayed that commit yet
 when the woken stream reads. So the listener, after each batch of notifications, asks the
 primary for its WAL position on its own connection and hands it to the streams it wakes as
@@ -42,7 +42,8 @@ from psycopg.rows import dict_row
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from app import steps
+from app import domain
+from app.data import replication, stream
 from app.db import AsyncConn, DatabaseUnavailable
 from app.errors import validation_problem
 from app.observe import STREAMS_OPEN
@@ -144,12 +145,12 @@ async def keep_listening(conninfo: str, hub: Hub, *, positions: bool = False) ->
                 CONNECT_SECONDS,
             )
             async with conn:
-                await steps.listen(conn)
+                await stream.listen(conn)
                 if failures:
                     log.info("listening again for live updates")
                 failures = 0
                 # Notifications may have been missed before, or while away.
-                hub.wake_all(await steps.wal_position(conn) if positions else 0)
+                hub.wake_all(await replication.wal_position(conn) if positions else 0)
                 hub.listening.set()
                 checked = loop.time()
                 while hub.wanted.is_set():
@@ -159,10 +160,10 @@ async def keep_listening(conninfo: str, hub: Hub, *, positions: bool = False) ->
                     async with asyncio.timeout(CONNECT_SECONDS):
                         if not batch:
                             if loop.time() - checked >= CHECK_SECONDS:
-                                await steps.ping(conn)
+                                await stream.ping(conn)
                                 checked = loop.time()
                             continue
-                        target = await steps.wal_position(conn) if positions else 0
+                        target = await replication.wal_position(conn) if positions else 0
                     for notification in batch:
                         with contextlib.suppress(ValueError):
                             hub.wake(int(notification.payload), target)
@@ -178,21 +179,21 @@ async def keep_listening(conninfo: str, hub: Hub, *, positions: bool = False) ->
 
 
 async def read_changes(
-    reads: ReadPool, instance_key: str, after: steps.Position, target: int = 0
-) -> steps.Changes:
+    reads: ReadPool, instance_key: str, after: stream.Position, target: int = 0
+) -> stream.Changes:
     """What changed after `after`, through the read pool. An instance the replica does not
     have (yet) is looked up on the primary before it counts as unknown."""
 
-    async def work(conn: AsyncConn) -> steps.Changes:
-        return await steps.stream_changes(conn, instance_key, after, target=target)
+    async def work(conn: AsyncConn) -> stream.Changes:
+        return await stream.stream_changes(conn, instance_key, after, target=target)
 
     try:
         return await reads.run(work)
-    except steps.InstanceNotReplayed:
+    except domain.InstanceNotReplayed:
         return await reads.on_primary(work)
 
 
-def parse_event_id(value: str, field: str) -> steps.Position:
+def parse_event_id(value: str, field: str) -> stream.Position:
     """The position an event id names; a 422 for anything this service did not send."""
     match = EVENT_ID.fullmatch(value)
     if match is None or int(match[1]) > MAX_XID8 or int(match[2]) > MAX_ID:
@@ -208,7 +209,7 @@ def _frame(record: dict[str, Any]) -> bytes:
 
 
 async def events(
-    reads: ReadPool, hub: Hub, instance_key: str, first: steps.Changes, heartbeat: float
+    reads: ReadPool, hub: Hub, instance_key: str, first: stream.Changes, heartbeat: float
 ) -> AsyncIterator[bytes]:
     """The stream's body: `first` (what the handler read), then every later change."""
     loop = asyncio.get_running_loop()
@@ -223,7 +224,7 @@ async def events(
             with contextlib.suppress(DatabaseUnavailable):
                 subscription.wake(await reads.primary_position())
         covered = 0  # the highest target a read has met
-        changes: steps.Changes | None = first
+        changes: stream.Changes | None = first
         position = first.position
         last_sent = loop.time()
         read_at: float | None = None  # when to read again without a notification
@@ -260,7 +261,7 @@ async def events(
                     changes = await read_changes(
                         reads, instance_key, position, pending if pending > covered else 0
                     )
-                except steps.InstanceNotFound:
+                except domain.InstanceNotFound:
                     return
                 except DatabaseUnavailable as exc:
                     log.warning("stream of %s: read failed, trying again: %s", instance_key, exc)

@@ -16,8 +16,8 @@ from app import docs, errors, live, observe, replica, routes, schemas, sweeper, 
 from app.access import AccessControl, Tokens
 from app.config import Settings
 from app.db import DatabaseUnavailable, Pool
+from app.domain import SchemaMissing
 from app.observe import Observe
-from app.steps import SchemaMissing
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -122,7 +122,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         description="One durable, database-guarded record per step of a process instance.",
         lifespan=lifespan,
-        routes=routes.router.routes,
+        routes=routes.ROUTES,
         docs_url=None,
         redoc_url=None,
     )

@@ -38,7 +38,8 @@ from typing import TypeVar
 import psycopg
 from psycopg.rows import dict_row
 
-from app import observe, steps
+from app import observe
+from app.data import replication
 from app.db import AsyncConn, DatabaseUnavailable, Pool, PoolExhausted
 
 T = TypeVar("T")
@@ -88,7 +89,7 @@ class ReadPool:
         """The primary's WAL position now: a read that has replayed to it has every commit
         acknowledged before this call."""
         async with self.primary.connection() as conn:
-            return await steps.wal_position(conn)
+            return await replication.wal_position(conn)
 
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[AsyncConn]:
@@ -206,11 +207,11 @@ async def _check(
     moment = clock()
     asked_primary = True
     try:
-        staleness.primary_at(moment, await primary.ask(steps.wal_position))
+        staleness.primary_at(moment, await primary.ask(replication.wal_position))
     except (psycopg.Error, OSError, TimeoutError):
         asked_primary = False
     try:
-        state = await replica.ask(steps.replay_state)
+        state = await replica.ask(replication.replay_state)
     except (psycopg.Error, OSError, TimeoutError) as exc:
         _route(reads, downs, math.inf, max_lag, f"unreachable: {exc or 'timed out'}")
         return

@@ -8,7 +8,8 @@ bug) is logged and the next round tries again: the sweeper never stops by itself
 import asyncio
 import logging
 
-from app import observe, steps
+from app import observe
+from app.data import operations
 from app.db import Pool
 
 log = logging.getLogger("steprecord.sweeper")
@@ -16,7 +17,7 @@ log = logging.getLogger("steprecord.sweeper")
 
 async def sweep_once(pool: Pool) -> int:
     async with pool.connection() as conn:
-        swept = await steps.sweep_expired(conn)
+        swept = await operations.sweep_expired(conn)
     if swept:
         observe.count_event("fail", "swept", swept)
         log.info("swept %d expired leases", swept)

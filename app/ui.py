@@ -19,7 +19,8 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader
 from starlette.types import Scope
 
-from app import cursors, static, steps
+from app import cursors, domain, static
+from app.data import dashboard, reads
 from app.db import AsyncConn
 from app.errors import Problem
 from app.models import NAME_RE
@@ -144,7 +145,9 @@ ENV = Environment(
     trim_blocks=True,
     lstrip_blocks=True,
 )
-ENV.filters.update(utc=utc, iso=iso, millis=millis, pretty=pretty)
+ENV.filters.update(
+    utc=utc, iso=iso, millis=millis, pretty=pretty, step_label=lambda s: step_label(s)
+)
 ENV.globals.update(
     CSS=CSS, JS=JS, LOGOUT=LOGOUT, LOGIN=LOGIN, GLYPHS=GLYPHS, link_url=link_url, mark=mark,
     path=path, took=took, ago=ago,
@@ -198,6 +201,31 @@ def shorten(name: str, size: int = 28) -> str:
     return name if len(name) <= size else name[: size - 1] + "…"
 
 
+# A Celery task's slug (steprecord_client.celery): "<task name>:<task id, a UUID>".
+CELERY_SLUG = re.compile(
+    r"(?P<name>[A-Za-z0-9][A-Za-z0-9._:-]*):"
+    r"(?P<id>[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12})"
+)
+
+
+def step_label(slug: str, size: int | None = None) -> str:
+    """A step's name as the dashboard shows it: a Celery task's slug as its task name and
+    the first 8 characters of its id (`shop.charge:1a2b3c4d…`; pages give the full slug on
+    hover and on the step page), any other slug as it is. With ``size``, shortened to that
+    many characters, cutting the task name rather than its id."""
+    match = CELERY_SLUG.fullmatch(slug)
+    if match is None:
+        return slug if size is None else shorten(slug, size)
+    tail = f":{match['id'][:8]}…"
+    name = match["name"]
+    if size is not None:
+        name = shorten(name, max(size - len(tail), 4))
+    return name + tail
+
+
+ENV.filters["step_label"] = step_label
+
+
 def timeline(instance_key: str, records: list[dict[str, Any]], now: datetime) -> dict[str, Any]:
     """The instance page's rows: the steps table and the timeline's lanes, with every text
     formatted here (the template only places and escapes them; it renders 1,000 steps fast).
@@ -235,7 +263,7 @@ def timeline(instance_key: str, records: list[dict[str, Any]], now: datetime) ->
         rows.append(
             Row(
                 slug=record["step_slug"],
-                short=shorten(record["step_slug"]),
+                short=step_label(record["step_slug"], 28),
                 href=steps_path + quote(record["step_slug"], safe=""),
                 y=(index % CHUNK) * LANE,
                 bars=bars,
@@ -275,7 +303,7 @@ def timeline(instance_key: str, records: list[dict[str, Any]], now: datetime) ->
 async def instances_page(request: Request) -> Response:
     query = request.query_params
     status = query.get("status") or None
-    has: steps.Trouble | None = "failed" if status == "failed" else None
+    has: dashboard.Trouble | None = "failed" if status == "failed" else None
     if status == "running":
         has = "running"
     prefix = (query.get("prefix") or "").strip() or None
@@ -296,7 +324,7 @@ async def instances_page(request: Request) -> Response:
     last = None
     if not errors:
         async with read_connection(request) as conn:
-            items, last = await steps.list_instances_with_counts(
+            items, last = await dashboard.list_instances_with_counts(
                 conn,
                 prefix=prefix,
                 has=has,
@@ -332,10 +360,10 @@ async def instance_page(request: Request, instance_key: str) -> Response:
         return not_found(request, "No instance has that key.")
     async with read_connection(request) as conn:
         try:
-            instance = await steps.get_instance(conn, instance_key)
-        except steps.InstanceNotFound:
+            instance = await reads.get_instance(conn, instance_key)
+        except domain.InstanceNotFound:
             return not_found(request, f"No instance has the key {instance_key!r}.")
-        records, more = await steps.instance_steps(conn, instance["id"], limit=MAX_STEPS)
+        records, more = await dashboard.instance_steps(conn, instance["id"], limit=MAX_STEPS)
     now = datetime.now(UTC)
     return render(
         request,
@@ -356,13 +384,13 @@ async def step_page(request: Request, instance_key: str, step_slug: str) -> Resp
         return not_found(request, "No step has that name.")
     async with read_connection(request) as conn:
         try:
-            record = await steps.get_step(conn, instance_key, step_slug)
-            page = await steps.list_attempts(
+            record = await reads.get_step(conn, instance_key, step_slug)
+            page = await reads.list_attempts(
                 conn, instance_key, step_slug, after=None, limit=MAX_STEPS
             )
-        except steps.InstanceNotFound:
+        except domain.InstanceNotFound:
             return not_found(request, f"No instance has the key {instance_key!r}.")
-        except steps.StepNotFound:
+        except domain.StepNotFound:
             return not_found(request, f"Instance {instance_key!r} has no step {step_slug!r}.")
     return render(
         request,
@@ -376,7 +404,7 @@ async def step_page(request: Request, instance_key: str, step_slug: str) -> Resp
 
 async def _across(request: Request, *, failed: bool) -> list[dict[str, Any]]:
     async with read_connection(request) as conn:
-        page = await steps.list_recent(
+        page = await reads.list_recent(
             conn,
             statuses=["failed"] if failed else ["running"],
             updated_after=None,

@@ -6,10 +6,10 @@ from alembic import context
 from sqlalchemy import Connection
 
 from app.config import Settings
+from app.data.operations import MIGRATION_LOCK
 from app.db import sync_engine
 from app.main import COMPATIBLE_AHEAD
 from app.models import metadata
-from app.steps import MIGRATION_LOCK
 
 config = context.config
 

@@ -4,20 +4,11 @@ With `DATABASE_URL` set, the tests create (and finally drop) their own database 
 server; without it they start an embedded PostgreSQL in a temporary directory.
 """
 
-import contextlib
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 import uuid
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psycopg
@@ -26,9 +17,15 @@ from playwright.sync_api import Browser
 
 from app.cli import migrate
 from app.embedded import EmbeddedPostgres
-from tests.helpers import chromium_browser
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import (
+    chromium_browser,
+    create_database,
+    drop_database,
+    migrated_database,
+    pgbouncer,
+    start_server,
+    stop,
+)
 
 
 @pytest.fixture(scope="session")
@@ -45,18 +42,6 @@ def server_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         embedded.stop()
 
 
-def create_database(server_dsn: str, name: str) -> str:
-    with psycopg.connect(server_dsn, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        conn.execute(f'CREATE DATABASE "{name}"')
-    return psycopg.conninfo.make_conninfo(server_dsn, dbname=name)
-
-
-def drop_database(server_dsn: str, name: str) -> None:
-    with psycopg.connect(server_dsn, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
 @pytest.fixture(scope="session")
 def database_url(server_dsn: str) -> Iterator[str]:
     """A fresh database, migrated to head by alembic."""
@@ -64,18 +49,6 @@ def database_url(server_dsn: str) -> Iterator[str]:
     url = create_database(server_dsn, name)
     migrate(url)
     try:
-        yield url
-    finally:
-        drop_database(server_dsn, name)
-
-
-@contextmanager
-def migrated_database(server_dsn: str, prefix: str) -> Iterator[str]:
-    """A database of a test module's own, migrated to head, dropped afterwards."""
-    name = prefix + uuid.uuid4().hex[:8]
-    url = create_database(server_dsn, name)
-    try:
-        migrate(url)
         yield url
     finally:
         drop_database(server_dsn, name)
@@ -103,109 +76,11 @@ def scratch_database(server_dsn: str) -> Iterator[str]:
         drop_database(server_dsn, name)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError("server did not become ready")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a server started by `start_server`, and whatever of its process group is left: a
-    worker whose supervisor died before it would otherwise run on, orphaned."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def start_server(
-    database_url: str,
-    *extra: str,
-    env: dict[str, str] | None = None,
-    stdout: Any = None,
-    stderr: Any = None,
-) -> tuple[str, subprocess.Popen[bytes]]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), *extra],
-        env={**os.environ, **(env or {}), "DATABASE_URL": database_url},
-        cwd=ROOT,
-        stdout=stdout,
-        stderr=stderr,
-        start_new_session=True,  # its own process group, workers included: see `stop`
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc)
-    except BaseException:
-        stop(proc)
-        raise
-    return url, proc
-
-
-@contextmanager
-def pgbouncer(database_url: str) -> Iterator[str]:
-    """PgBouncer in transaction pool mode in front of the database; yields its URL."""
-    info = psycopg.conninfo.conninfo_to_dict(database_url)
-    workdir = Path(tempfile.mkdtemp(prefix="steprecord-pgbouncer-"))
-    if os.geteuid() == 0:  # PgBouncer will not run as root; it switches to nobody
-        shutil.chown(workdir, "nobody")
-    port = free_port()
-    ini = workdir / "pgbouncer.ini"
-    ini.write_text(
-        "[databases]\n"
-        f"* = host={info.get('host', '127.0.0.1')} port={info.get('port', 5432)} user=postgres\n"
-        "[pgbouncer]\n"
-        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
-        "auth_type = any\npool_mode = transaction\n"
-        "max_client_conn = 500\ndefault_pool_size = 20\n"
-        f"logfile = {workdir}/pgbouncer.log\npidfile = {workdir}/pgbouncer.pid\n"
-    )
-    ini.chmod(0o644)
-    command = ["pgbouncer", *(["-u", "nobody"] if os.geteuid() == 0 else []), str(ini)]
-    proc = subprocess.Popen(command, cwd=workdir)
-    url = psycopg.conninfo.make_conninfo(
-        "", host="127.0.0.1", port=port, user="postgres", dbname=str(info["dbname"])
-    )
-    try:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                with psycopg.connect(url, connect_timeout=2) as conn:
-                    conn.execute("SELECT 1")
-                break
-            except psycopg.OperationalError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+@pytest.fixture(scope="module")
+def own_database(server_dsn: str) -> Iterator[str]:
+    """A database of the test module's own, migrated to head, for servers the tests start."""
+    with migrated_database(server_dsn, "steprecord_own_") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="session")
@@ -228,8 +103,16 @@ def server_url(database_url: str) -> Iterator[str]:
             stop(proc)
 
 
+# The fixtures that reach the shared database: a test that uses any of them starts from empty
+# tables; any other test (pure functions, servers of its own) starts no PostgreSQL for it.
+SHARED_DATABASE = {"database_url", "server_url", "client", "shared_client", "db"}
+
+
 @pytest.fixture(autouse=True)
-def _clean_tables(database_url: str) -> None:
+def _clean_tables(request: pytest.FixtureRequest) -> None:
+    if SHARED_DATABASE.isdisjoint(request.fixturenames):
+        return
+    database_url: str = request.getfixturevalue("database_url")
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute(
             # In the order the writers lock them (the sweeper takes the record, then the

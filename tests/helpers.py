@@ -1,15 +1,30 @@
-"""Small helpers shared by the HTTP tests."""
+"""The tests' shared helpers, in one place: PostgreSQL databases, service processes and
+PgBouncer, waiting on a condition, reading metrics, HTTP shorthands, and the browser."""
 
+import contextlib
+import os
+import re
 import shutil
-from collections.abc import Iterator
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 from playwright.sync_api import Browser, sync_playwright
 
+from app.cli import migrate
 from app.embedded import EmbeddedPostgres
+
+ROOT = Path(__file__).resolve().parent.parent
 
 T0 = "2026-12-02T10:00:00Z"
 T1 = "2026-12-02T10:00:01Z"
@@ -61,6 +76,192 @@ def attempts(client: httpx.Client, instance: str = "order-1", step: str = "charg
 def history(client: httpx.Client, instance: str = "order-1", step: str = "charge") -> Any:
     """The history in short: `(attempt, status)` of each attempt."""
     return [(a["attempt"], a["status"]) for a in attempts(client, instance, step)]
+
+
+# --- waiting -----------------------------------------------------------------------------
+
+
+def eventually(check: Callable[[], bool], seconds: float = 15, interval: float = 0.05) -> float:
+    """Poll `check` until it holds; the seconds that took. Fails after `seconds`."""
+    began = time.monotonic()
+    while not check():
+        assert time.monotonic() - began < seconds, "did not happen in time"
+        time.sleep(interval)
+    return time.monotonic() - began
+
+
+def lock_waits(watcher: psycopg.Connection[Any]) -> int:
+    """Sessions of the watcher's database waiting for a lock (the service's, through PgBouncer
+    too): how a test knows that a request it sent is now blocked on a row it holds."""
+    row = watcher.execute(
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+# --- metrics -------------------------------------------------------------------------------
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of the sample `name` with these labels in a Prometheus text page; fails when
+    there is none."""
+    for line in text.splitlines():
+        if not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        series, value = line.rsplit(" ", 1)
+        found = dict(re.findall(r'(\w+)="([^"]*)"', series))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(value)
+    raise AssertionError(f"no {name} {labels} in the metrics")
+
+
+def counter(text: str, name: str, **labels: str) -> float:
+    """A counter's value: 0 while it has no sample yet (nothing counted)."""
+    try:
+        return metric(text, name, **labels)
+    except AssertionError:
+        return 0.0
+
+
+def metrics(url: str) -> str:
+    """The service's Prometheus page."""
+    response = httpx.get(f"{url}/metrics", timeout=10)
+    assert response.status_code == 200, response.text
+    return response.text
+
+
+# --- databases and processes ---------------------------------------------------------------
+
+
+def create_database(server_dsn: str, name: str) -> str:
+    with psycopg.connect(server_dsn, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return psycopg.conninfo.make_conninfo(server_dsn, dbname=name)
+
+
+def drop_database(server_dsn: str, name: str) -> None:
+    with psycopg.connect(server_dsn, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextmanager
+def migrated_database(server_dsn: str, prefix: str) -> Iterator[str]:
+    """A database of a test module's own, migrated to head, dropped afterwards."""
+    name = prefix + uuid.uuid4().hex[:8]
+    url = create_database(server_dsn, name)
+    try:
+        migrate(url)
+        yield url
+    finally:
+        drop_database(server_dsn, name)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError("server did not become ready")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a server started by `start_server`, and whatever of its process group is left: a
+    worker whose supervisor died before it would otherwise run on, orphaned."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def start_server(
+    database_url: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    stdout: Any = None,
+    stderr: Any = None,
+) -> tuple[str, subprocess.Popen[bytes]]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), *extra],
+        env={**os.environ, **(env or {}), "DATABASE_URL": database_url},
+        cwd=ROOT,
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=True,  # its own process group, workers included: see `stop`
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+    except BaseException:
+        stop(proc)
+        raise
+    return url, proc
+
+
+@contextmanager
+def pgbouncer(database_url: str) -> Iterator[str]:
+    """PgBouncer in transaction pool mode in front of the database; yields its URL."""
+    info = psycopg.conninfo.conninfo_to_dict(database_url)
+    workdir = Path(tempfile.mkdtemp(prefix="steprecord-pgbouncer-"))
+    if os.geteuid() == 0:  # PgBouncer will not run as root; it switches to nobody
+        shutil.chown(workdir, "nobody")
+    port = free_port()
+    ini = workdir / "pgbouncer.ini"
+    ini.write_text(
+        "[databases]\n"
+        f"* = host={info.get('host', '127.0.0.1')} port={info.get('port', 5432)} user=postgres\n"
+        "[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+        "auth_type = any\npool_mode = transaction\n"
+        "max_client_conn = 500\ndefault_pool_size = 20\n"
+        f"logfile = {workdir}/pgbouncer.log\npidfile = {workdir}/pgbouncer.pid\n"
+    )
+    ini.chmod(0o644)
+    command = ["pgbouncer", *(["-u", "nobody"] if os.geteuid() == 0 else []), str(ini)]
+    proc = subprocess.Popen(command, cwd=workdir)
+    url = psycopg.conninfo.make_conninfo(
+        "", host="127.0.0.1", port=port, user="postgres", dbname=str(info["dbname"])
+    )
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                with psycopg.connect(url, connect_timeout=2) as conn:
+                    conn.execute("SELECT 1")
+                break
+            except psycopg.OperationalError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def make_replica(primary: EmbeddedPostgres, data_dir: Path) -> EmbeddedPostgres:

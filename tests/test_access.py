@@ -1,12 +1,13 @@
 """Bearer tokens and anonymous access, on a server and database of these tests' own."""
 
+import json
 import os
 import socket
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import psycopg
@@ -16,10 +17,11 @@ from alembic import command
 from app.access import new_token
 from app.cli import migrate
 from app.main import alembic_config
-from tests.conftest import (
+from tests.helpers import (
     ROOT,
     create_database,
     drop_database,
+    eventually,
     free_port,
     start_server,
     stop,
@@ -49,25 +51,40 @@ def create_token(database_url: str, name: str, scope: str) -> str:
     return token
 
 
-def reloaded() -> None:
-    """Every worker has reloaded its tokens (they do so every 0.5 s here)."""
-    time.sleep(1.5)
+WORKERS = 2
+LOGS: dict[str, Path] = {}  # the shared server's stdout, by its URL
 
 
-def eventually(check: Callable[[], bool], seconds: float = 5) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, "did not happen in time"
-        time.sleep(0.1)
+def reloaded(url: str, tokens: int, *, anonymous: bool = False) -> None:
+    """Wait until every worker of the shared server has loaded `tokens` active tokens and the
+    access policy: each worker logs a line whenever its view of access changes, so its last
+    such line is what it now enforces."""
+
+    def loaded() -> bool:
+        latest: dict[int, tuple[int, bool]] = {}
+        for line in LOGS[url].read_text().splitlines():
+            entry = json.loads(line) if line.startswith("{") else {}
+            if "active_tokens" in entry:
+                latest[entry["worker"]] = (entry["active_tokens"], entry["anonymous_allowed"])
+        return len(latest) == WORKERS and set(latest.values()) == {(tokens, anonymous)}
+
+    eventually(loaded)
 
 
 @pytest.fixture(scope="module")
-def shared_server(server_dsn: str) -> Iterator[tuple[str, str]]:
+def shared_server(
+    server_dsn: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, str]]:
     name = "steprecord_access_" + uuid.uuid4().hex[:8]
     database_url = create_database(server_dsn, name)
     try:
         migrate(database_url)
-        url, proc = start_server(database_url, "--workers", "2", env=REFRESH)
+        log = tmp_path_factory.mktemp("access") / "stdout.jsonl"
+        with log.open("wb") as out:
+            url, proc = start_server(
+                database_url, "--workers", str(WORKERS), env=REFRESH, stdout=out
+            )
+        LOGS[url] = log
         try:
             yield url, database_url
         finally:
@@ -84,7 +101,7 @@ def server(shared_server: tuple[str, str]) -> Iterator[tuple[str, str]]:
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute("DELETE FROM api_token")
         conn.execute("UPDATE access_policy SET tokens_required = false")
-    reloaded()
+    reloaded(url, 0, anonymous=True)
     assert all(httpx.get(url + "/v1/instances").status_code == 200 for _ in range(6))
 
 
@@ -111,22 +128,11 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-def accepted_everywhere(url: str, token: str) -> None:
-    """Wait until every worker (each request is a new connection) has loaded `token`."""
-    headers = bearer(token)
-    eventually(
-        lambda: all(
-            httpx.get(url + "/v1/instances", headers=headers).status_code == 200 for _ in range(6)
-        )
-    )
-    reloaded()  # six requests may all have reached one worker: give the other its reload too
-
-
 def test_first_token_ends_anonymous_access(server: tuple[str, str]) -> None:
     url, database_url = server
     assert httpx.post(url + START).status_code == 201
     token = create_token(database_url, "ci", "write")
-    reloaded()
+    reloaded(url, 1)
     assert all(httpx.get(url + "/v1/instances").status_code == 401 for _ in range(6))
     refused = httpx.post(url + START)
     assert refused.status_code == 401
@@ -138,7 +144,7 @@ def test_first_token_ends_anonymous_access(server: tuple[str, str]) -> None:
 def test_scopes_and_unknown_tokens(server: tuple[str, str]) -> None:
     url, database_url = server
     writer, reader = insert_tokens(database_url, ("writer", "write"), ("reader", "read"))
-    reloaded()
+    reloaded(url, 2)
     for _ in range(4):  # both workers
         assert httpx.post(url + START, headers=bearer(writer)).status_code in (200, 201)
         assert httpx.get(url + "/v1/instances", headers=bearer(reader)).status_code == 200
@@ -176,11 +182,11 @@ def test_revoked_token_loses_access_on_every_worker(server: tuple[str, str]) -> 
     url, database_url = server
     token = create_token(database_url, "temp", "write")
     keep = insert_token(database_url, "keep", "read")
-    reloaded()
+    reloaded(url, 2)
     assert httpx.get(url + "/v1/instances", headers=bearer(token)).status_code == 200
     done = steprecord(database_url, "token", "revoke", "temp")
     assert done.returncode == 0, done.stderr
-    reloaded()
+    reloaded(url, 1)
     for _ in range(6):
         assert httpx.get(url + "/v1/instances", headers=bearer(token)).status_code == 401
         assert httpx.get(url + "/v1/instances", headers=bearer(keep)).status_code == 200
@@ -189,7 +195,7 @@ def test_revoked_token_loses_access_on_every_worker(server: tuple[str, str]) -> 
 def test_token_list_shows_names_and_use_but_never_tokens(server: tuple[str, str]) -> None:
     url, database_url = server
     token = create_token(database_url, "listed", "read")
-    reloaded()
+    reloaded(url, 1)
     first = steprecord(database_url, "token", "list")
     assert first.returncode == 0
     assert "listed\tread" in first.stdout
@@ -254,7 +260,7 @@ def test_public_address_with_a_token_starts(scratch_database: str) -> None:
 def test_a_read_token_may_not_use_any_writing_method(server: tuple[str, str]) -> None:
     url, database_url = server
     reader, writer = insert_tokens(database_url, ("reader", "read"), ("writer", "write"))
-    accepted_everywhere(url, reader)
+    reloaded(url, 2)
     for method in ["DELETE", "PUT", "PATCH"] * 3:  # on both workers
         forbidden = httpx.request(method, url + START, headers=bearer(reader))
         assert forbidden.status_code == 403, forbidden.text
@@ -268,7 +274,7 @@ def test_a_read_token_may_not_use_any_writing_method(server: tuple[str, str]) ->
 def test_a_read_token_may_get_and_head(server: tuple[str, str]) -> None:
     url, database_url = server
     reader = insert_token(database_url, "reader", "read")
-    accepted_everywhere(url, reader)
+    reloaded(url, 1)
     for _ in range(4):
         assert httpx.get(url + "/v1/instances", headers=bearer(reader)).status_code == 200
         assert httpx.head(url + "/v1/instances").status_code == 401
@@ -337,7 +343,7 @@ def test_revoking_the_last_token_keeps_anonymous_access_closed(server: tuple[str
     url, database_url = server
     create_token(database_url, "first", "write")
     second = create_token(database_url, "second", "read")
-    accepted_everywhere(url, second)
+    reloaded(url, 2)
     not_last = steprecord(database_url, "token", "revoke", "first")
     assert not_last.returncode == 0, not_last.stderr
     assert "last token" not in not_last.stderr
@@ -348,20 +354,16 @@ def test_revoking_the_last_token_keeps_anonymous_access_closed(server: tuple[str
     assert "steprecord token create" in last.stderr
     with psycopg.connect(database_url) as conn:
         assert conn.execute("SELECT count(*) FROM api_token").fetchone() == (0,)
-    # A worker that refuses the revoked token has reloaded since the revoke.
-    revoked = bearer(second)
-    eventually(
-        lambda: all(
-            httpx.get(url + "/v1/instances", headers=revoked).status_code == 401 for _ in range(6)
-        )
-    )
+    reloaded(url, 0)
     for _ in range(6):
+        assert httpx.get(url + "/v1/instances", headers=bearer(second)).status_code == 401
         refused = httpx.get(url + "/v1/instances")
         assert refused.status_code == 401
         assert "anonymous access stays closed" in refused.json()["detail"]
     allowed = steprecord(database_url, "token", "allow-anonymous")
     assert allowed.returncode == 0, allowed.stderr
-    eventually(lambda: all(httpx.get(url + "/v1/instances").status_code == 200 for _ in range(6)))
+    reloaded(url, 0, anonymous=True)
+    assert all(httpx.get(url + "/v1/instances").status_code == 200 for _ in range(6))
 
 
 def test_allowing_anonymous_access_is_refused_while_a_token_exists(

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import psycopg
 
-from app import steps
+from app.data import judge
 from tests.helpers import T1, T2, step_path
 
 
@@ -90,7 +90,7 @@ def declare_overlapping_new_instances(database_url: str, callers: int = 6, round
                 columns += [["declare"] * n] + [[None] * n for _ in range(9)]
                 barrier.wait()
                 try:
-                    psycopg.RawCursor(conn).execute(steps.APPLY_EVENTS, columns)
+                    psycopg.RawCursor(conn).execute(judge.APPLY_EVENTS, columns)
                 except psycopg.errors.DeadlockDetected:
                     deadlocks.append(round_)
 

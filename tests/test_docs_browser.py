@@ -1,7 +1,7 @@
 """The API docs render in a real browser that can reach nothing but the service.
 
 The service has an active token, so the pages also prove that the docs and their assets
-need none (README, "Access"). The browser is Debian's chromium, never a downloaded one.
+need none (README, "Security"). The browser is Debian's chromium, never a downloaded one.
 """
 
 import uuid
@@ -13,7 +13,7 @@ from playwright.sync_api import Browser, Page, Route
 
 from app.access import new_token
 from app.cli import migrate
-from tests.conftest import create_database, drop_database, start_server, stop
+from tests.helpers import create_database, drop_database, start_server, stop
 
 
 @pytest.fixture(scope="module")

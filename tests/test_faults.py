@@ -22,15 +22,16 @@ import psycopg
 import pytest
 
 from app.access import new_token
-from tests.conftest import (
+from tests.helpers import (
     ROOT,
+    eventually,
     free_port,
-    migrated_database,
+    lock_waits,
     pgbouncer,
+    problem,
     start_server,
     stop,
 )
-from tests.helpers import problem
 
 STATEMENT_TIMEOUT = 1.0
 BOUNDED = {"STEPRECORD_STATEMENT_TIMEOUT": str(STATEMENT_TIMEOUT)}
@@ -42,12 +43,6 @@ needs_pgbouncer = pytest.mark.skipif(
 )
 
 Watcher = psycopg.Connection[tuple[Any, ...]]
-
-
-@pytest.fixture(scope="module")
-def own_database(server_dsn: str) -> Iterator[str]:
-    with migrated_database(server_dsn, "steprecord_faults_") as url:
-        yield url
 
 
 @pytest.fixture
@@ -69,23 +64,6 @@ def sessions(watcher: Watcher, application_name: str) -> dict[int, str | None]:
         (application_name,),
     ).fetchall()
     return {pid: wait for pid, wait in rows}
-
-
-def lock_waits(watcher: Watcher) -> int:
-    """Sessions of this database waiting for a lock (the service's, through PgBouncer too)."""
-    row = watcher.execute(
-        "SELECT count(*) FROM pg_stat_activity"
-        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-def eventually(check: Callable[[], bool], seconds: float = 10) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, "did not happen in time"
-        time.sleep(0.02)
 
 
 @contextmanager

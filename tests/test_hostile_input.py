@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from app.main import create_app
-from app.routes import MAX_BATCH_DEPTH
+from app.routes.common import MAX_BATCH_DEPTH
 from app.serialize import MAX_DEPTH
 from tests.helpers import T1, T2, post, problem, record
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import psycopg
 
-from app.steps import PARAMS
+from app.data.judge import PARAMS
 
 Conn = psycopg.Connection[tuple[object, ...]]
 

@@ -14,10 +14,20 @@ import httpx
 import psycopg
 import pytest
 
-from app import steps
-from tests.conftest import migrated_database, start_server, stop
-from tests.helpers import T1, T2, attempts, history, post, problem, record
-from tests.test_operations import metric
+from app.data import operations
+from tests.helpers import (
+    T1,
+    T2,
+    attempts,
+    counter,
+    history,
+    migrated_database,
+    post,
+    problem,
+    record,
+    start_server,
+    stop,
+)
 
 
 def parse(value: str) -> datetime:
@@ -205,8 +215,8 @@ def test_an_expired_lease_is_swept_as_a_failure_at_its_expiry(client: httpx.Clie
     )
     after = client.get("/metrics").text
     labels = {"kind": "fail", "outcome": "swept"}
-    assert metric(after, "steprecord_events_total", **labels) >= (
-        metric(before, "steprecord_events_total", **labels) + 1
+    assert counter(after, "steprecord_events_total", **labels) >= (
+        counter(before, "steprecord_events_total", **labels) + 1
     )
     late = problem(post(client, "complete", {"attempt": 1, "output": 1}), 409, "conflict")
     assert late["current"]["error_code"] == "lease_expired"
@@ -361,7 +371,7 @@ def test_a_sweep_skips_a_record_held_by_a_heartbeat_in_flight(
             "UPDATE workflow_step_record SET lease_expires_at = now() + interval '10 minutes',"
             " updated_at = now() WHERE step_slug = 'racing'"
         )
-        assert sweeper.execute(steps.SWEEP, {"limit": 10}).rowcount == 0
+        assert sweeper.execute(operations.SWEEP, {"limit": 10}).rowcount == 0
         holder.commit()
-        assert sweeper.execute(steps.SWEEP, {"limit": 10}).rowcount == 0
+        assert sweeper.execute(operations.SWEEP, {"limit": 10}).rowcount == 0
     assert record(unswept, key, "racing")["status"] == "running"

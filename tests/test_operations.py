@@ -5,8 +5,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,13 +16,7 @@ import httpx
 import psycopg
 import pytest
 
-from tests.conftest import migrated_database, pgbouncer, start_server, stop
-
-
-@pytest.fixture(scope="module")
-def own_database(server_dsn: str) -> Iterator[str]:
-    with migrated_database(server_dsn, "steprecord_ops_") as url:
-        yield url
+from tests.helpers import counter, eventually, lock_waits, pgbouncer, start_server, stop
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +30,6 @@ def two_workers(
             yield url, log
         finally:
             stop(proc)
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    for line in text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', line.rsplit(" ", 1)[0]))
-        if all(found.get(k) == v for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def test_metrics_sum_every_worker(two_workers: tuple[str, Path]) -> None:
@@ -63,20 +47,20 @@ def test_metrics_sum_every_worker(two_workers: tuple[str, Path]) -> None:
     assert scrapes[0].headers["content-type"].startswith("text/plain")
     for scrape in scrapes:
         text = scrape.text
-        created = metric(text, "steprecord_events_total", kind="start", outcome="created")
+        created = counter(text, "steprecord_events_total", kind="start", outcome="created")
         assert (
-            created - metric(before, "steprecord_events_total", kind="start", outcome="created")
+            created - counter(before, "steprecord_events_total", kind="start", outcome="created")
             == 12
         )
         assert (
-            metric(text, "steprecord_events_total", kind="start", outcome="stale_attempt")
-            + metric(text, "steprecord_events_total", kind="start", outcome="replay")
+            counter(text, "steprecord_events_total", kind="start", outcome="stale_attempt")
+            + counter(text, "steprecord_events_total", kind="start", outcome="replay")
             >= 1
         )
-        assert metric(text, "steprecord_events_total", kind="start", outcome="refused") >= 1
+        assert counter(text, "steprecord_events_total", kind="start", outcome="refused") >= 1
         template = "/v1/instances/{instance_key}/steps/{step_slug}/start"
         assert (
-            metric(
+            counter(
                 text,
                 "steprecord_http_request_duration_seconds_count",
                 method="POST",
@@ -116,7 +100,8 @@ def test_one_json_log_line_per_request_with_the_request_id(
     made = generated.headers["x-request-id"]
     assert re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", made)
     assert made != "bad id with spaces"
-    time.sleep(0.3)
+    # Each worker writes its line when it has answered: wait until both lines are there.
+    eventually(lambda: {mine, made} <= {line.get("request_id") for line in log_lines(log)})
     lines = log_lines(log)
     ours = [line for line in lines if line.get("request_id") == mine]
     assert len(ours) == 1
@@ -152,10 +137,11 @@ def test_sigterm_finishes_in_flight_requests(own_database: str, workers: str) ->
 
             worker = threading.Thread(target=complete)
             worker.start()
-            time.sleep(0.5)  # the request is now waiting for the row lock
+            with psycopg.connect(own_database, autocommit=True) as watcher:
+                eventually(lambda: lock_waits(watcher) == 1)  # the request waits for the lock
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
-            assert proc.poll() is None, "exited with a request in flight"
+            with pytest.raises(subprocess.TimeoutExpired):  # it holds on for the request
+                proc.wait(0.5)
             blocker.rollback()
         worker.join(30)
         assert outcome["response"].status_code == 200

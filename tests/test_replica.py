@@ -1,4 +1,4 @@
-"""Reads from a streaming replica (README, "Scaling"): a primary of the test's own, a replica
+"""Reads from a streaming replica (docs/scaling.md): a primary of the test's own, a replica
 made from it with `pg_basebackup -R`, and a service whose reads go to the replica while it is
 healthy and to the primary otherwise, never failing because of the replica."""
 
@@ -7,7 +7,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,9 +21,7 @@ from app.cli import migrate
 from app.embedded import EmbeddedPostgres
 from app.live import MAX_BEHIND_SECONDS
 from app.replica import check_interval
-from tests.conftest import start_server, stop
-from tests.helpers import make_replica
-from tests.test_operations import metric
+from tests.helpers import counter, eventually, make_replica, metric, metrics, start_server, stop
 from tests.test_stream import Event, Stream
 
 MAX_LAG = 1.0
@@ -77,7 +75,7 @@ def replicated(tmp_path: Path) -> Iterator[Replicated]:
 def reads(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return {
-        pool: metric(text, "steprecord_reads_total", pool=pool) for pool in ("replica", "primary")
+        pool: counter(text, "steprecord_reads_total", pool=pool) for pool in ("replica", "primary")
     }
 
 
@@ -89,15 +87,6 @@ def served_by(client: httpx.Client, path: str = "/v1/instances") -> str:
     after = reads(str(client.base_url))
     (pool,) = [name for name in after if after[name] > before[name]]
     return pool
-
-
-def eventually(check: Callable[[], bool], seconds: float = 15) -> float:
-    """Seconds it took until `check()` held."""
-    began = time.monotonic()
-    while not check():
-        assert time.monotonic() - began < seconds, "did not happen in time"
-        time.sleep(0.05)
-    return time.monotonic() - began
 
 
 def start(client: httpx.Client, instance: str, step: str) -> None:
@@ -131,7 +120,7 @@ def test_reads_are_served_by_the_replica(replicated: Replicated) -> None:
         # An idle primary does not make the replica look behind: nothing is left to replay.
         time.sleep(2 * MAX_LAG)
         assert served_by(client) == "replica"
-        assert metric_value(replicated.url, "steprecord_read_replica_lag_seconds") < MAX_LAG
+        assert metric(metrics(replicated.url), "steprecord_read_replica_lag_seconds") < MAX_LAG
         # Writes and the schema check still use the primary.
         assert client.get("/readyz").status_code == 200
         start(client, "order-1", "ship")
@@ -207,7 +196,7 @@ def test_a_paused_replay_is_bypassed_within_the_lag_bound_and_used_again_after(
             # Served by the primary, a write is readable at once.
             start(client, "fresh", "a")
             assert client.get("/v1/instances/fresh/steps/a").status_code == 200
-            lag = metric_value(replicated.url, "steprecord_read_replica_lag_seconds")
+            lag = metric(metrics(replicated.url), "steprecord_read_replica_lag_seconds")
             assert lag > MAX_LAG
             standby.execute("SELECT pg_wal_replay_resume()")
             eventually(lambda: served_by(client) == "replica")
@@ -216,14 +205,6 @@ def test_a_paused_replay_is_bypassed_within_the_lag_bound_and_used_again_after(
             done.set()
             writer.join()
     assert failures == []
-
-
-def metric_value(url: str, name: str) -> float:
-    """A metric without labels."""
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"no {name} in the metrics")
 
 
 # --- the live-update stream through the replica -------------------------------------------
@@ -336,11 +317,13 @@ def test_a_write_reaches_a_stream_while_replay_is_paused_and_nothing_is_repeated
             # The replica is bypassed within the bound, and the stream reads at least once a
             # second while its read is behind.
             assert time.monotonic() - began < BYPASS_WITHIN + MAX_BEHIND_SECONDS
-            assert metric_value(replicated.url, "steprecord_read_replica_in_use") == 0
+            assert metric(metrics(replicated.url), "steprecord_read_replica_in_use") == 0
             start(client, "order-1", "c")
             sent.append(stream.next_event())
             standby.execute("SELECT pg_wal_replay_resume()")
-            eventually(lambda: metric_value(replicated.url, "steprecord_read_replica_in_use") == 1)
+            eventually(
+                lambda: metric(metrics(replicated.url), "steprecord_read_replica_in_use") == 1
+            )
             before = reads(replicated.url)
             start(client, "order-1", "d")
             sent.append(stream.next_event())
@@ -404,7 +387,7 @@ def test_a_busy_replica_pool_sends_the_read_to_the_primary_and_stays_in_use(
             response = client.get("/v1/instances")
             took = time.monotonic() - began
             after = reads(replicated.url)
-            in_use = metric_value(replicated.url, "steprecord_read_replica_in_use")
+            in_use = metric(metrics(replicated.url), "steprecord_read_replica_in_use")
         finally:
             locker.rollback()
             reader.join()

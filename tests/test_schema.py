@@ -9,8 +9,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import CheckConstraint, ForeignKeyConstraint, UniqueConstraint
 
-from app import steps
 from app.cli import migrate
+from app.data import reads
 from app.db import sync_engine
 from app.main import alembic_config
 from app.models import metadata
@@ -414,25 +414,6 @@ def plan(db: Conn, sql: str, params: dict[str, Any]) -> str:
     return "\n".join(str(r[0]) for r in rows)
 
 
-LIST_PARAMS = {"instance_key": "run-50", "statuses": None, "limit": 101}
-
-
-def test_list_by_ordinal_reads_the_ordinal_index_without_sorting(big_table: Conn) -> None:
-    text = plan(big_table, steps.LIST_BY_ORDINAL, {**LIST_PARAMS, "after_ordinal": 10})
-    assert "uq_workflow_step_record_instance_id_ordinal" in text, text
-    assert "Sort" not in text, text
-
-
-@pytest.mark.parametrize("query", [steps.LIST_BY_STARTED_AT, steps.LIST_UNSTARTED])
-def test_list_by_started_at_reads_the_time_index_without_sorting(
-    big_table: Conn, query: str
-) -> None:
-    params = {**LIST_PARAMS, "after_started_at": "-infinity", "after_id": 0, "limit": 51}
-    text = plan(big_table, query, params)
-    assert "ix_workflow_step_record_instance_id_started_at_id" in text, text
-    assert "Sort" not in text, text
-
-
 def function_plans(db: Conn, sql: str, params: list[Any]) -> str:
     """The plans of the statements a database function runs for `sql` (with `$n`
     placeholders), as auto_explain reports them (to this session, as notices)."""
@@ -459,7 +440,7 @@ def test_the_page_function_reads_its_index_and_sorts_nothing(
 ) -> None:
     """The records come from the index, in order, under the page's LIMIT."""
     params = ["run-50", order, 10, after_started_at, 0, None, 51]
-    text = function_plans(big_table, steps.LIST_PAGE, params)
+    text = function_plans(big_table, reads.LIST_PAGE, params)
     lines = text.splitlines()
     limit = next(i for i, line in enumerate(lines) if "->  Limit" in line)
     scan = next(i for i, line in enumerate(lines) if f"Index Scan using {index}" in line)
@@ -476,6 +457,6 @@ def test_list_instances_reads_the_time_index_without_sorting(db: Conn) -> None:
     """)
     db.execute("ANALYZE process_instance")
     params = {"before_created_at": "2026-01-01T12:00:00Z", "before_id": 0, "limit": 101}
-    text = plan(db, steps.LIST_INSTANCES, params)
+    text = plan(db, reads.LIST_INSTANCES, params)
     assert "ix_process_instance_created_at_id" in text, text
     assert "Sort" not in text, text

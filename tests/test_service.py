@@ -16,10 +16,10 @@ from alembic.util import CommandError
 
 import app.main
 from app.cli import migrate
+from app.data.operations import MIGRATION_LOCK
 from app.embedded import EmbeddedPostgres
 from app.main import create_app, schema_head
-from app.steps import MIGRATION_LOCK
-from tests.conftest import ROOT, free_port, pgbouncer, start_server, stop, wait_ready
+from tests.helpers import ROOT, free_port, pgbouncer, start_server, stop, wait_ready
 
 
 def serve_embedded(data_dir: Path, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:

@@ -5,7 +5,6 @@ part (the notification on commit, the transaction id of each write)."""
 import contextlib
 import json
 import queue
-import re
 import signal
 import socket
 import threading
@@ -20,8 +19,19 @@ import pytest
 
 from app.access import new_token
 from app.live import LISTENER_NAME
-from tests.conftest import migrated_database, start_server, stop
-from tests.helpers import T1, T2, T3, post, problem, step_path
+from tests.helpers import (
+    T1,
+    T2,
+    T3,
+    eventually,
+    metric,
+    migrated_database,
+    post,
+    problem,
+    start_server,
+    step_path,
+    stop,
+)
 
 WAIT = 10.0  # the longest any expected event may take here (the promise is a second)
 KEEPALIVE = ": keepalive"
@@ -154,7 +164,7 @@ def test_a_stream_sends_every_record_then_each_applied_write(
         assert event.data == as_read(client, "order-1", event.record["step_slug"])
 
     # Each write waits for its event: a record written twice before the stream reads it is
-    # sent once, in its latest state (README, "State, not a log").
+    # sent once, in its latest state (README, "Live updates").
     live = []
     for kind, body, step in [
         ("complete", {"attempt": 1, "output": {"rows": 3}}, "fetch"),
@@ -307,16 +317,7 @@ def test_an_idle_stream_sends_keepalive_comments(
 
 
 def streams_open(client: httpx.Client) -> float:
-    found = re.search(r"^steprecord_streams_open (\S+)$", client.get("/metrics").text, re.M)
-    assert found is not None
-    return float(found[1])
-
-
-def eventually(check: Callable[[], bool], seconds: float = WAIT) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, "did not happen in time"
-        time.sleep(0.05)
+    return metric(client.get("/metrics").text, "steprecord_streams_open")
 
 
 def test_a_client_that_goes_away_is_unsubscribed_and_the_server_serves_on(

@@ -2,30 +2,21 @@
 one database, and every expired lease is swept exactly once; an outage does not stop it."""
 
 import time
-from collections.abc import Iterator
 
 import httpx
 import psycopg
-import pytest
 
 from app.cli import migrate
 from app.embedded import EmbeddedPostgres
-from tests.conftest import migrated_database, start_server, stop
-from tests.test_operations import metric
+from tests.helpers import counter, start_server, stop
 
 FAST = {"STEPRECORD_SWEEP_SECONDS": "0.05"}
 STEPS = 300
 
 
-@pytest.fixture
-def own_database(server_dsn: str) -> Iterator[str]:
-    with migrated_database(server_dsn, "steprecord_sweep_") as url:
-        yield url
-
-
 def swept_count(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return metric(text, "steprecord_events_total", kind="fail", outcome="swept")
+    return counter(text, "steprecord_events_total", kind="fail", outcome="swept")
 
 
 def test_two_service_instances_sweep_each_expired_lease_exactly_once(own_database: str) -> None:

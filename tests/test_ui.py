@@ -18,11 +18,21 @@ import psycopg
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
-from app import steps
 from app.access import new_token
 from app.cli import migrate
-from tests.conftest import create_database, drop_database, start_server, stop
-from tests.helpers import T0, T1, T2, T3, T4, post
+from app.data import dashboard
+from tests.helpers import (
+    T0,
+    T1,
+    T2,
+    T3,
+    T4,
+    create_database,
+    drop_database,
+    post,
+    start_server,
+    stop,
+)
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 SCRIPT = "<script>window.pwned = 1</script>"
@@ -403,27 +413,27 @@ TROUBLE = ("ix_workflow_step_record_running_failed", "ix_workflow_step_record_st
     ],
 )
 def test_each_instance_filter_is_served_by_an_index(
-    many_instances: Any, prefix: bool, has: steps.Trouble | None, indexes: tuple[str, ...]
+    many_instances: Any, prefix: bool, has: dashboard.Trouble | None, indexes: tuple[str, ...]
 ) -> None:
-    low, high = steps.prefix_range("job-990")  # one key of 10^4: job-9900
-    like = steps.prefix_pattern("job-990")
+    low, high = dashboard.prefix_range("job-990")  # one key of 10^4: job-9900
+    like = dashboard.prefix_pattern("job-990")
     params = {**LIST, "prefix_low": low, "prefix_high": high, "prefix_like": like}
-    text = plan(many_instances, steps.list_instances_query(prefix=prefix, has=has), params)
+    text = plan(many_instances, dashboard.list_instances_query(prefix=prefix, has=has), params)
     assert any(index in text for index in indexes), text
     assert "Seq Scan" not in text, text
 
 
 def test_the_instance_page_reads_steps_and_attempts_by_index(many_instances: Any) -> None:
-    for query in (steps.INSTANCE_STEPS, steps.INSTANCE_ATTEMPTS):
+    for query in (dashboard.INSTANCE_STEPS, dashboard.INSTANCE_ATTEMPTS):
         params = {"instance_id": 500, "limit": 1001, "last_ordinal": 2}
         text = plan(many_instances, query, params)
         assert "Seq Scan" not in text, text
 
 
 def test_a_prefix_range_ends_just_past_the_keys_it_starts() -> None:
-    assert steps.prefix_range("run-") == ("run-", "run.")
-    assert steps.prefix_range("a:9") == ("a:9", "a::")
-    assert steps.prefix_pattern("a_b") == "a\\_b%"
+    assert dashboard.prefix_range("run-") == ("run-", "run.")
+    assert dashboard.prefix_range("a:9") == ("a:9", "a::")
+    assert dashboard.prefix_pattern("a_b") == "a\\_b%"
 
 
 # --- in a real browser -----------------------------------------------------------------

@@ -18,8 +18,8 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from app import cursors
+from app.data.reads import LIST_PAGE, PAGE_COLUMNS
 from app.serialize import dumps, page_json
-from app.steps import LIST_PAGE, PAGE_COLUMNS
 
 LIMIT = 100
 HEADERS = [(b"content-type", b"application/json")]

@@ -38,10 +38,10 @@ if str(ROOT) not in sys.path:  # also runnable as `python tests/bench/run.py`
 import psycopg  # noqa: E402
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
-from app import steps  # noqa: E402
 from app.access import new_token  # noqa: E402
 from app.cli import migrate  # noqa: E402
 from app.embedded import EmbeddedPostgres  # noqa: E402
+from tests.bench import queries  # noqa: E402
 
 DB_NAME = "steprecord_bench"
 WORKERS = 2
@@ -259,8 +259,8 @@ def load_read_table(dsn: str, records: int) -> None:
 
 
 def read_script(order: str, path: Path) -> Path:
-    """The service's own list query (app/steps.py) as a pgbench script, first page, no filter."""
-    query = steps.LIST_BY_ORDINAL if order == "ordinal" else steps.LIST_BY_STARTED_AT
+    """The least SQL of a page read (tests/bench/queries.py) as a pgbench script: first page."""
+    query = queries.LIST_BY_ORDINAL if order == "ordinal" else queries.LIST_BY_STARTED_AT
     literals = {
         "instance_key": "('r' || :k)",
         "statuses": "NULL",

@@ -38,8 +38,13 @@ import httpx  # noqa: E402
 
 from app.cli import migrate  # noqa: E402
 from app.embedded import EmbeddedPostgres  # noqa: E402
-from tests.conftest import create_database, drop_database, start_server, stop  # noqa: E402
-from tests.helpers import chromium_browser  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    chromium_browser,
+    create_database,
+    drop_database,
+    start_server,
+    stop,
+)
 
 STEPS = 1000
 KEY = "bench-1000"

@@ -1,4 +1,4 @@
-"""Two service instances on one database behave as one service (README, "Scaling"): a token
+"""Two service instances on one database behave as one service (docs/scaling.md): a token
 created or revoked once holds on both, a write through one is read through the other, and
 each instance's metrics count its own requests. (The sweeper across instances: see
 tests/test_sweeper.py.)"""
@@ -8,9 +8,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import migrated_database, start_server, stop
-from tests.test_access import REFRESH, bearer, create_token, eventually, steprecord
-from tests.test_operations import metric
+from tests.helpers import counter, eventually, migrated_database, start_server, stop
+from tests.test_access import REFRESH, bearer, create_token, steprecord
 
 
 @pytest.fixture
@@ -69,7 +68,7 @@ def test_each_instance_counts_its_own_requests(two_instances: tuple[str, str, st
 
     def created(url: str) -> float:
         text = httpx.get(url + "/metrics").text
-        return metric(text, "steprecord_events_total", kind="start", outcome="created")
+        return counter(text, "steprecord_events_total", kind="start", outcome="created")
 
     for i in range(3):
         assert httpx.post(f"{first}/v1/instances/run-1/steps/a{i}/start").status_code == 201

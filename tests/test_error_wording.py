@@ -18,8 +18,7 @@ from steprecord_client import Recorder, StepRecordError
 from app.cli import main
 from app.config import Settings
 from app.main import create_app
-from tests.conftest import ROOT
-from tests.helpers import T1, post, problem, step_path
+from tests.helpers import ROOT, T1, post, problem, step_path
 
 
 @pytest.fixture

@@ -1,0 +1,241 @@
+"""The judge's calls: every event and heartbeat goes to a database function (`app/sql/`).
+
+The database decides, under the record's row lock, whether an event is newer than the
+record, a replay, a conflict or stale, and writes only when it is newer: one statement per
+event (or per set of events of distinct steps), nothing decided in Python.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import psycopg
+
+from app.data.common import RECORD, violation, with_key
+from app.db import AsyncConn
+from app.domain import (
+    ConstraintViolation,
+    Contention,
+    Event,
+    InvalidData,
+    OutputTooLarge,
+    Result,
+)
+
+# The merge is a function in the database (migration 0007 says how it judges; 0008 holds its
+# current SQL): PostgreSQL plans it once per connection, through any pooler, where the statement
+# it runs cost twice its execution time to plan on every call. It takes $1 the events' indexes,
+# then one array per field of `PARAMS`, in order, and answers one row per event (index,
+# outcome, record) with events of distinct steps applied in one statement, each judged as if
+# alone. It runs on a raw cursor: the text is sent as is, never parsed for placeholders.
+APPLY_EVENTS = (
+    "SELECT * FROM steprecord_apply_events($1::int[], $2::text[], $3::text[], $4::text[],"
+    " $5::bigint[], $6::timestamptz[], $7::timestamptz[], $8::text[], $9::text[], $10::text[],"
+    " $11::text[], $12::bigint[], $13::int[])"
+)
+
+# One event (not a heartbeat) with scalars for arrays (migration 0010): the same answer, from
+# the half of the general statement the event needs: the record judged and, only when the
+# event applies, updated; or, when there is none, created.
+APPLY_EVENT = (
+    "SELECT * FROM steprecord_apply_event($1::int, $2::text, $3::text, $4::text, $5::bigint,"
+    " $6::timestamptz, $7::timestamptz, $8::text, $9::text, $10::text, $11::text, $12::bigint,"
+    " $13::int)"
+)
+
+# An event with no row in the answer lost a race with a concurrent creator of its instance (the
+# statement's snapshot could not see the new row); a collision on the step's unique key (a
+# concurrent creator of the step) aborts the whole statement, so nothing was written. In both
+# cases the next try sees the new row. A deadlock between two batches is retried the same way.
+MAX_TRIES = 5
+RACE_KEY = "uq_workflow_step_record_instance_id_step_slug"
+PARAMS = (
+    "instance_key",
+    "step_slug",
+    "kind",
+    "attempt",
+    "started_at",
+    "completed_at",
+    "output",
+    "external_output_url",
+    "error_code",
+    "error_message",
+    "ordinal",
+    "lease_seconds",
+)
+
+# A heartbeat extends the lease of the running attempt it names, under the record's row lock;
+# it never changes status, times or attempt_count (a function of migration 0007, like the
+# merge). Parameters: the events' indexes, then one array per field of `HEARTBEAT_PARAMS`.
+HEARTBEAT = (
+    "SELECT * FROM steprecord_heartbeat($1::int[], $2::text[], $3::text[], $4::bigint[], $5::int[])"
+)
+HEARTBEAT_PARAMS = ("instance_key", "step_slug", "attempt", "lease_seconds")
+
+Outcomes = list[Result | Exception]
+
+
+async def apply_event(conn: AsyncConn, event: Event) -> Result:
+    """Apply one event; raise what the database refused.
+
+    It goes to `steprecord_apply_event`, which runs only the half of the general statement
+    the event needs (and writes an existing record only when the event applies).
+    """
+    if event.kind == "heartbeat":
+        (result,) = await apply_events(conn, [event])
+    else:
+        outcomes: list[Result | Exception | None] = [None]
+        await _apply_statement(conn, APPLY_EVENT, PARAMS, [event], [0], outcomes, _scalars)
+        result = await _final(conn, event, outcomes[0])
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+async def apply_events(conn: AsyncConn, events: Sequence[Event]) -> Outcomes:
+    """Apply events in order, each judged as if alone; one result (or refusal) per event.
+
+    Consecutive events of distinct steps go in one statement; a step seen again starts the
+    next statement, so later events of a step see the effects of earlier ones.
+    """
+    outcomes: list[Result | Exception | None] = [None] * len(events)
+    segment: list[int] = []
+    seen: set[tuple[str, str]] = set()
+    for index, event in enumerate(events):
+        key = (event.instance_key, event.step_slug)
+        if key in seen:
+            await _apply_segment(conn, events, segment, outcomes)
+            segment, seen = [], set()
+        segment.append(index)
+        seen.add(key)
+    if segment:
+        await _apply_segment(conn, events, segment, outcomes)
+    return [await _final(conn, events[i], o) for i, o in enumerate(outcomes)]
+
+
+async def _final(
+    conn: AsyncConn, event: Event, outcome: Result | Exception | None
+) -> Result | Exception:
+    return Contention("not applied") if outcome is None else await _explained(conn, event, outcome)
+
+
+async def _apply_segment(
+    conn: AsyncConn,
+    events: Sequence[Event],
+    indexes: list[int],
+    outcomes: list[Result | Exception | None],
+) -> None:
+    """Apply events of distinct steps: they cannot affect each other, so heartbeats and the
+    other events go in one statement each."""
+    beats = [index for index in indexes if events[index].kind == "heartbeat"]
+    others = [index for index in indexes if events[index].kind != "heartbeat"]
+    if beats:
+        await _apply_statement(conn, HEARTBEAT, HEARTBEAT_PARAMS, events, beats, outcomes)
+    if others:
+        await _apply_statement(conn, APPLY_EVENTS, PARAMS, events, others, outcomes)
+
+
+# A statement's parameters: the events' indexes, then one array per field (`_columns`), or
+# for one event its index and its fields (`_scalars`).
+Params = Callable[[Sequence[Event], list[int], Sequence[str]], list[Any]]
+
+
+def _columns(events: Sequence[Event], indexes: list[int], names: Sequence[str]) -> list[Any]:
+    return [indexes] + [[getattr(events[i], name) for i in indexes] for name in names]
+
+
+def _scalars(events: Sequence[Event], indexes: list[int], names: Sequence[str]) -> list[Any]:
+    (index,) = indexes
+    return [index] + [getattr(events[index], name) for name in names]
+
+
+async def _apply_statement(
+    conn: AsyncConn,
+    statement: str,
+    names: Sequence[str],
+    events: Sequence[Event],
+    indexes: list[int],
+    outcomes: list[Result | Exception | None],
+    params: Params = _columns,
+) -> None:
+    pending = indexes
+    for _ in range(MAX_TRIES):
+        try:
+            rows = await _run(conn, statement, params(events, pending, names))
+        except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
+            continue
+        except (psycopg.errors.IntegrityError, psycopg.errors.DataError) as exc:
+            if isinstance(exc, psycopg.errors.IntegrityError) and (
+                exc.diag.constraint_name == RACE_KEY
+            ):
+                continue
+            if len(pending) > 1:  # find which event was refused: one statement each
+                for index in pending:
+                    await _apply_statement(
+                        conn, statement, names, events, [index], outcomes, params
+                    )
+                return
+            outcomes[pending[0]] = _refusal(exc)
+            return
+        for row in rows:
+            index = row.pop("i")
+            outcome = row.pop("outcome")
+            instance_key = events[index].instance_key
+            record = None if row["id"] is None else with_key(row, instance_key)
+            outcomes[index] = Result(outcome, record)
+        pending = [index for index in pending if outcomes[index] is None]
+        if not pending:
+            return
+    for index in pending:
+        event = events[index]
+        outcomes[index] = Contention(
+            f"{event.instance_key}/{event.step_slug}: gave up after {MAX_TRIES} races"
+        )
+
+
+async def _run(conn: AsyncConn, statement: str, params: list[Any]) -> list[dict[str, Any]]:
+    async with psycopg.AsyncRawCursor(conn) as cur:
+        await cur.execute(statement, params)
+        return await cur.fetchall()
+
+
+def _refusal(exc: psycopg.Error) -> Exception:
+    if isinstance(exc, psycopg.errors.IntegrityError):
+        return violation(exc)
+    return InvalidData(exc.diag.message_primary or str(exc))
+
+
+ORDINAL_KEY = "uq_workflow_step_record_instance_id_ordinal"
+OUTPUT_SIZE = "ck_workflow_step_record_output_size"
+
+# The record holding the event's ordinal or, for a server-assigned one, the highest ordinal.
+ORDINAL_HOLDER = f"""
+SELECT {RECORD.format(r="r")}
+FROM process_instance p JOIN workflow_step_record r ON r.instance_id = p.id
+WHERE p.instance_key = %(instance_key)s
+  AND (%(ordinal)s::int IS NULL OR r.ordinal = %(ordinal)s::int)
+ORDER BY r.ordinal DESC
+LIMIT 1
+"""
+
+
+async def _explained(
+    conn: AsyncConn, event: Event, outcome: Result | Exception
+) -> Result | Exception:
+    """A refusal with what the client needs to act on it, read after the fact (rare path).
+
+    A taken ordinal comes with the record that holds it; an oversized output with its size
+    as the database measures it (jsonb's text, which differs from the JSON sent).
+    """
+    if (isinstance(outcome, Result) and outcome.outcome == "ordinal_taken") or (
+        isinstance(outcome, ConstraintViolation) and outcome.constraint == ORDINAL_KEY
+    ):
+        params = {"instance_key": event.instance_key, "ordinal": event.ordinal}
+        cur = await conn.execute(ORDINAL_HOLDER, params)
+        row = await cur.fetchone()
+        return Result("ordinal_taken", None if row is None else with_key(row, event.instance_key))
+    if isinstance(outcome, ConstraintViolation) and outcome.constraint == OUTPUT_SIZE:
+        cur = await conn.execute("SELECT octet_length(%s::jsonb::text) AS size", (event.output,))
+        row = await cur.fetchone()
+        assert row is not None
+        return OutputTooLarge(row["size"])
+    return outcome

@@ -1,0 +1,58 @@
+"""Operations: the lease sweeper's statement, the schema revision, the migration lock."""
+
+import psycopg
+
+from app.db import AsyncConn
+
+# The sweeper: fail every running attempt whose lease expired, as a `fail` event of that attempt
+# would (error `lease_expired`, `completed_at` = the expiry), in one statement. SKIP LOCKED
+# lets several sweepers (workers, service instances) run at once without ever writing the same
+# record twice, and FOR UPDATE re-checks the lease on the newest row version, so a heartbeat
+# that committed first keeps its attempt alive.
+SWEEP = """
+WITH due AS (
+    SELECT r.id FROM workflow_step_record r
+    WHERE r.status = 'running' AND r.lease_expires_at IS NOT NULL
+      AND r.lease_expires_at < clock_timestamp()
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE workflow_step_record r SET
+    status = 'failed',
+    completed_at = GREATEST(r.lease_expires_at, r.started_at),
+    error_code = 'lease_expired',
+    error_message = 'no heartbeat, complete or fail arrived before the lease expired',
+    lease_expires_at = NULL,
+    updated_at = clock_timestamp()
+FROM due
+WHERE r.id = due.id
+RETURNING r.id
+"""
+SWEEP_BATCH = 500
+
+
+async def sweep_expired(conn: AsyncConn) -> int:
+    """Fail the running attempts whose lease expired; the number of records swept."""
+    swept = 0
+    while True:
+        cur = await conn.execute(SWEEP, {"limit": SWEEP_BATCH})
+        swept += cur.rowcount
+        if cur.rowcount < SWEEP_BATCH:
+            return swept
+
+
+async def schema_revision(conn: AsyncConn) -> str | None:
+    """The alembic revision the database is at, or None when it was never migrated."""
+    try:
+        cur = await conn.execute("SELECT version_num FROM alembic_version")
+    except psycopg.errors.UndefinedTable:
+        return None
+    row = await cur.fetchone()
+    return None if row is None else str(row["version_num"])
+
+
+# Taken first in the migration transaction and held until it ends, so instances that start
+# together migrate one after the other and the later ones find the schema at head. A
+# transaction-level lock also holds and ends correctly through PgBouncer in transaction mode,
+# where a session-level one would stay on whichever server connection took it.
+MIGRATION_LOCK = "SELECT pg_advisory_xact_lock(hashtext('steprecord'), hashtext('migrate'))"

@@ -1,0 +1,10 @@
+"""HTTP handlers: parse, call a data module, shape the answer; one module per group of routes.
+
+`ROUTES` holds them all, in the order the OpenAPI document lists them.
+"""
+
+from starlette.routing import BaseRoute
+
+from app.routes import events, operations, reads
+
+ROUTES: list[BaseRoute] = [*events.router.routes, *reads.router.routes, *operations.router.routes]

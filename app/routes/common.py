@@ -1,0 +1,112 @@
+"""What every route module shares: the route class, parameter types, pools, bodies, answers."""
+
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any, Literal
+
+from fastapi import Path, Query, Request
+from fastapi.dependencies.models import Dependant
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
+
+from app.db import Pool
+from app.errors import Problem, validation_problem
+from app.models import NAME_PATTERN, STATUSES
+from app.replica import ReadPool
+from app.serialize import MAX_DEPTH, BadJSON, UnacceptableJSON, dumps, loads
+
+MAX_BODY_BYTES = 2 * 1024 * 1024
+MAX_BATCH_BYTES = 16 * 1024 * 1024
+# `{"events": [...]}` holds each event two levels down; it may nest as deep as at its endpoint.
+MAX_BATCH_DEPTH = MAX_DEPTH + 2
+
+
+def _query_names(dependant: Dependant) -> set[str]:
+    names = {field.alias for field in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+
+
+class KnownQuery(APIRoute):
+    """A route that refuses query parameters it does not declare, as bodies refuse unknown
+    fields: `?limt=2` is a typo to point out, not a filter to ignore."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        known = _query_names(self.dependant)
+        takes = f"this endpoint takes {', '.join(sorted(known)) or 'none'}"
+
+        async def checked(request: Request) -> Response:
+            if request.scope["query_string"]:
+                unknown = [
+                    name for name in dict.fromkeys(request.query_params) if name not in known
+                ]
+                if unknown:
+                    message = f"unknown query parameter; {takes}"
+                    raise validation_problem(
+                        [{"field": name, "message": message} for name in unknown]
+                    )
+            return await handler(request)
+
+        return checked
+
+
+InstanceKey = Annotated[str, Path(pattern=NAME_PATTERN, max_length=200)]
+MAX_LIMIT = 1000
+Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT)]
+Fields = Literal["full", "summary"]
+StatusFilter = Annotated[
+    str | None, Query(description="Comma-separated statuses, e.g. running,failed")
+]
+StepSlug = Annotated[str, Path(pattern=NAME_PATTERN, max_length=200)]
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(dumps(body), status_code=status, media_type="application/json")
+
+
+def primary_pool(request: Request) -> Pool:
+    """The primary: writes, heartbeats and the schema check."""
+    pool: Pool = request.app.state.pool
+    return pool
+
+
+def read_pool(request: Request) -> ReadPool:
+    """The read replica while it is healthy, else the primary: `await read_pool(r).run(work)`."""
+    reads: ReadPool = request.app.state.read_pool
+    return reads
+
+
+async def read_json(request: Request, limit: int, depth: int = MAX_DEPTH) -> Any:
+    """The parsed body (None when empty), refusing more than `limit` bytes before parsing."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise Problem(413, "payload_too_large", f"the body is over {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise Problem(413, "payload_too_large", f"the body is over {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if not body.strip():
+        return None
+    try:
+        return loads(body, depth)
+    except BadJSON as exc:
+        raise Problem(400, "invalid_json", f"the body is not JSON: {exc}") from None
+    except UnacceptableJSON as exc:
+        raise validation_problem([{"field": "body", "message": str(exc)}]) from None
+
+
+def statuses(status: str | None) -> list[str] | None:
+    if status is None:
+        return None
+    values = [s.strip() for s in status.split(",") if s.strip()]
+    unknown = [s for s in values if s not in STATUSES]
+    if unknown or not values:
+        raise validation_problem(
+            [{"field": "status", "message": f"one or more of {', '.join(STATUSES)}"}]
+        )
+    return values

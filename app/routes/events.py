@@ -1,0 +1,124 @@
+"""The write routes: one event per request, and a batch."""
+
+from collections import Counter
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from app import observe, schemas
+from app.data import judge
+from app.domain import ConstraintViolation, Event, InvalidData, Kind, Result
+from app.errors import Problem, to_problem
+from app.events import BODIES, KINDS, parse_batch_event, parse_envelope, parse_event
+from app.routes.common import (
+    MAX_BATCH_BYTES,
+    MAX_BATCH_DEPTH,
+    MAX_BODY_BYTES,
+    InstanceKey,
+    KnownQuery,
+    StepSlug,
+    json_response,
+    primary_pool,
+    read_json,
+)
+from app.routes.refusals import judged
+
+router = APIRouter(route_class=KnownQuery)
+
+SUMMARIES = {
+    "declare": "Declare a step (pending)",
+    "start": "Report that an attempt started",
+    "complete": "Report that an attempt completed",
+    "fail": "Report that an attempt failed",
+    "heartbeat": "Extend the lease of a running attempt",
+}
+
+
+def _event_route(kind: Kind) -> None:
+    async def handler(request: Request, instance_key: InstanceKey, step_slug: StepSlug) -> Response:
+        try:
+            body = await read_json(request, MAX_BODY_BYTES)
+            event = parse_event(instance_key, step_slug, kind, body)
+        except Problem:
+            observe.count_event(kind, "refused")
+            raise
+        async with primary_pool(request).connection() as conn:
+            try:
+                result = await judge.apply_event(conn, event)
+            except (ConstraintViolation, InvalidData):
+                observe.count_event(kind, "refused")
+                raise
+        observe.count_event(kind, result.outcome)
+        status, record = judged(result, event)
+        return json_response(record, status)
+
+    router.add_api_route(
+        f"/v1/instances/{{instance_key}}/steps/{{step_slug}}/{kind}",
+        handler,
+        methods=["POST"],
+        name=f"{kind}_step",
+        summary=SUMMARIES[kind],
+        tags=["events"],
+        responses=schemas.event_responses(),
+        openapi_extra=schemas.request_body(
+            BODIES[kind], required=kind in ("complete", "fail", "heartbeat")
+        ),
+    )
+
+
+for _kind in KINDS:
+    _event_route(_kind)
+
+
+def _batch_result(
+    counts: Counter[tuple[str, str]],
+    kind: str,
+    outcome: Result | Exception,
+    event: Event | None = None,
+) -> dict[str, Any]:
+    counts[kind, outcome.outcome if isinstance(outcome, Result) else "refused"] += 1
+    try:
+        if isinstance(outcome, Exception):
+            raise outcome
+        assert event is not None
+        status, record = judged(outcome, event)
+    except Exception as exc:
+        problem = to_problem(exc)
+        return {"status": problem.status, "problem": problem.body()}
+    return {"status": status, "record": record}
+
+
+@router.post(
+    "/v1/events",
+    tags=["events"],
+    summary="Report many events at once",
+    responses=schemas.batch_responses(),
+    openapi_extra=schemas.batch_request_body(),
+)
+async def post_events(request: Request) -> Response:
+    items = parse_envelope(await read_json(request, MAX_BATCH_BYTES, MAX_BATCH_DEPTH))
+    parsed: list[Event | Exception] = []
+    for item in items:
+        try:
+            parsed.append(parse_batch_event(item))
+        except Problem as problem:
+            parsed.append(problem)
+    valid = [event for event in parsed if isinstance(event, Event)]
+    async with primary_pool(request).connection() as conn:
+        applied = iter(await judge.apply_events(conn, valid))
+    results = []
+    counts: Counter[tuple[str, str]] = Counter()
+    for item, event in zip(items, parsed, strict=True):
+        if isinstance(event, Event):
+            results.append(_batch_result(counts, event.kind, next(applied), event))
+        else:
+            results.append(_batch_result(counts, _kind_of(item), event))
+    for (kind, outcome), amount in counts.items():
+        observe.count_event(kind, outcome, amount)
+    return json_response({"results": results})
+
+
+def _kind_of(item: Any) -> str:
+    kind = item.get("kind") if isinstance(item, dict) else None
+    return kind if kind in KINDS else "unknown"

@@ -1,0 +1,55 @@
+"""The operations routes: metrics, liveness, readiness."""
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from app import observe, schemas
+from app.data import operations
+from app.errors import Problem
+from app.routes.common import KnownQuery, json_response, primary_pool
+
+router = APIRouter(route_class=KnownQuery)
+
+
+@router.get(
+    "/metrics",
+    tags=["operations"],
+    summary="Prometheus metrics of every worker",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}},
+)
+async def metrics() -> Response:
+    body, content_type = observe.render()
+    return Response(body, media_type=content_type)
+
+
+@router.get("/healthz", tags=["operations"], summary="The process is alive")
+async def healthz() -> Response:
+    return json_response({"status": "ok"})
+
+
+@router.get(
+    "/readyz",
+    tags=["operations"],
+    summary="The database is reachable and at the migration head",
+    responses={503: {"model": schemas.ProblemModel}},
+)
+async def readyz(request: Request) -> Response:
+    state = request.app.state
+    async with primary_pool(request).connection() as conn:
+        current = await operations.schema_revision(conn)
+    if current not in state.schema_accepted:
+        detail = _schema_mismatch(current, state.schema_head, state.schema_known)
+        raise Problem(503, "unavailable", detail)
+    return json_response({"status": "ready", "schema": current})
+
+
+def _schema_mismatch(current: str | None, head: str, known: frozenset[str]) -> str:
+    if current is None:
+        return f"the database has no schema yet (expected {head}): run `steprecord migrate`"
+    if current in known:
+        return f"schema at {current}, behind this code's head {head}: run `steprecord migrate`"
+    return (
+        f"schema at {current}, a revision this code does not know: it is neither one of its"
+        f" migrations (head {head}) nor declared compatible with it"
+    )

@@ -1,0 +1,201 @@
+"""The read routes: records, pages, attempts, the live stream, instances."""
+
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import Response
+from pydantic import AwareDatetime
+
+from app import cursors, live, schemas
+from app.data import reads as data
+from app.domain import Page
+from app.models import STATUSES
+from app.routes.common import (
+    Fields,
+    InstanceKey,
+    KnownQuery,
+    Limit,
+    StatusFilter,
+    StepSlug,
+    json_response,
+    read_pool,
+    statuses,
+)
+from app.serialize import attempt_json, page_json, record_json
+
+router = APIRouter(route_class=KnownQuery)
+
+Item = dict[str, Any]
+
+
+def _page(page: Page, render: Callable[[Item], Item], cursor: Callable[[Item], str]) -> Response:
+    """A list answer: the page's items rendered, and the cursor of the next page, if any."""
+    next_cursor = None if page.last is None else cursor(page.last)
+    items = [render(item) for item in page.items]
+    return json_response({"items": items, "next_cursor": next_cursor})
+
+
+@router.get(
+    "/v1/instances/{instance_key}/steps",
+    tags=["reads"],
+    summary="List an instance's step records",
+    responses=schemas.read_responses(schemas.RecordPage),
+)
+async def list_steps(
+    request: Request,
+    instance_key: InstanceKey,
+    order: Literal["ordinal", "started_at"] = "ordinal",
+    status: StatusFilter = None,
+    limit: Limit = 100,
+    cursor: str | None = None,
+    fields: Fields = "full",
+) -> Response:
+    only = statuses(status)
+    after = None if cursor is None else cursors.steps_position(order, cursor)
+    page = await read_pool(request).run(
+        lambda conn: data.list_steps(
+            conn, instance_key, order=order, after=after, statuses=only, limit=limit
+        )
+    )
+    next_cursor = None if page.last is None else cursors.steps_cursor(order, page.last)
+    items = page_json(page.items, fields == "summary")
+    return json_response({"items": items, "next_cursor": next_cursor})
+
+
+@router.get(
+    "/v1/instances/{instance_key}/steps/{step_slug}",
+    tags=["reads"],
+    summary="One step record",
+    responses=schemas.read_responses(schemas.Record),
+)
+async def get_step(
+    request: Request,
+    instance_key: InstanceKey,
+    step_slug: StepSlug,
+    fields: Fields = "full",
+) -> Response:
+    record = await read_pool(request).run(lambda conn: data.get_step(conn, instance_key, step_slug))
+    return json_response(record_json(record, fields == "summary"))
+
+
+@router.get(
+    "/v1/instances/{instance_key}/steps/{step_slug}/attempts",
+    tags=["reads"],
+    summary="Every attempt of a step, in attempt order",
+    responses=schemas.read_responses(schemas.AttemptPage),
+)
+async def list_attempts(
+    request: Request,
+    instance_key: InstanceKey,
+    step_slug: StepSlug,
+    limit: Limit = 100,
+    cursor: str | None = None,
+    fields: Fields = "full",
+) -> Response:
+    after = None if cursor is None else cursors.attempts_position(cursor)
+    page = await read_pool(request).run(
+        lambda conn: data.list_attempts(conn, instance_key, step_slug, after=after, limit=limit)
+    )
+    return _page(page, lambda a: attempt_json(a, fields == "summary"), cursors.attempts_cursor)
+
+
+@router.get(
+    "/v1/instances/{instance_key}/stream",
+    tags=["reads"],
+    summary="Live updates of an instance's records (Server-Sent Events)",
+    response_class=Response,
+    responses=schemas.stream_responses(),
+)
+async def stream_instance(
+    request: Request,
+    instance_key: InstanceKey,
+    last_event_id: Annotated[
+        str | None,
+        Query(description="Resume after this event id, for clients that cannot set headers"),
+    ] = None,
+    last_event_id_header: Annotated[
+        str | None,
+        Header(
+            alias="Last-Event-ID",
+            description="Resume after this event id (EventSource sends it when it reconnects)",
+        ),
+    ] = None,
+) -> Response:
+    # The header wins: EventSource reconnects to the same URL with a newer id in the header.
+    if last_event_id_header is not None:
+        after = live.parse_event_id(last_event_id_header, "Last-Event-ID")
+    elif last_event_id is not None:
+        after = live.parse_event_id(last_event_id, "last_event_id")
+    else:
+        after = (0, 0)
+    reads, state = read_pool(request), request.app.state
+    first = await live.read_changes(reads, instance_key, after)
+    return live.EventStream(
+        live.events(reads, state.hub, instance_key, first, state.stream_heartbeat)
+    )
+
+
+@router.get(
+    "/v1/steps",
+    tags=["reads"],
+    summary="Step records across instances, newest updated_at first",
+    responses=schemas.read_responses(schemas.RecordPage),
+)
+async def list_recent_steps(
+    request: Request,
+    status: StatusFilter = None,
+    updated_after: Annotated[
+        AwareDatetime | None, Query(description="Only records updated after this time")
+    ] = None,
+    lease_expired: Annotated[
+        Literal["true"] | None,
+        Query(description="`true`: only running steps whose lease has expired"),
+    ] = None,
+    limit: Limit = 100,
+    cursor: str | None = None,
+    fields: Fields = "full",
+) -> Response:
+    only = statuses(status) or list(STATUSES)
+    before = None if cursor is None else cursors.recent_position(cursor)
+    page = await read_pool(request).run(
+        lambda conn: data.list_recent(
+            conn,
+            statuses=only,
+            updated_after=updated_after,
+            lease_expired=lease_expired == "true",
+            before=before,
+            limit=limit,
+        )
+    )
+    return _page(page, lambda r: record_json(r, fields == "summary"), cursors.recent_cursor)
+
+
+@router.get(
+    "/v1/instances/{instance_key}",
+    tags=["reads"],
+    summary="An instance with its step counts",
+    responses=schemas.read_responses(schemas.Instance),
+)
+async def get_instance(request: Request, instance_key: InstanceKey) -> Response:
+    instance = await read_pool(request).run(lambda conn: data.get_instance(conn, instance_key))
+    return json_response(instance)
+
+
+@router.get(
+    "/v1/instances",
+    tags=["reads"],
+    summary="Instances, newest first",
+    responses=schemas.read_responses(schemas.InstancePage),
+)
+async def list_instances(
+    request: Request,
+    limit: Limit = 100,
+    cursor: str | None = None,
+) -> Response:
+    before = None if cursor is None else cursors.instances_position(cursor)
+    items, last = await read_pool(request).run(
+        lambda conn: data.list_instances(conn, before=before, limit=limit)
+    )
+    next_cursor = None if last is None else cursors.instances_cursor(last)
+    return json_response({"items": items, "next_cursor": next_cursor})
