@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import psycopg
@@ -25,6 +25,7 @@ from app.cli import migrate
 from app.embedded import EmbeddedPostgres
 
 ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 T0 = "2026-12-02T10:00:00Z"
 T1 = "2026-12-02T10:00:01Z"
@@ -81,13 +82,29 @@ def history(client: httpx.Client, instance: str = "order-1", step: str = "charge
 # --- waiting -----------------------------------------------------------------------------
 
 
-def eventually(check: Callable[[], bool], seconds: float = 15, interval: float = 0.05) -> float:
+def eventually(
+    check: Callable[[], bool], seconds: float = 15, interval: float = 0.05, what: str = ""
+) -> float:
     """Poll `check` until it holds; the seconds that took. Fails after `seconds`."""
     began = time.monotonic()
     while not check():
-        assert time.monotonic() - began < seconds, "did not happen in time"
+        waited = time.monotonic() - began
+        assert waited < seconds, f"timed out after {seconds} s waiting for {what or 'it'}"
         time.sleep(interval)
     return time.monotonic() - began
+
+
+def wait_for(what: str, probe: Callable[[], T | None], seconds: float = 15) -> T:
+    """Poll `probe` until it gives something truthy, and return that. Fails after `seconds`."""
+    found: list[T | None] = [None]
+
+    def check() -> bool:
+        found[0] = probe()
+        return bool(found[0])
+
+    eventually(check, seconds, what=what)
+    assert found[0] is not None
+    return found[0]
 
 
 def lock_waits(watcher: psycopg.Connection[Any]) -> int:

@@ -6,7 +6,7 @@ The shared server sweeps every 0.2 s, so an expired lease is closed about a seco
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -20,6 +20,7 @@ from tests.helpers import (
     T2,
     attempts,
     counter,
+    eventually,
     history,
     migrated_database,
     post,
@@ -27,21 +28,12 @@ from tests.helpers import (
     record,
     start_server,
     stop,
+    wait_for,
 )
 
 
 def parse(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 15) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
 
 
 def test_start_with_a_lease_holds_it_from_the_database_clock(client: httpx.Client) -> None:
@@ -202,7 +194,7 @@ def test_batch_takes_heartbeats_in_order(client: httpx.Client) -> None:
 def test_an_expired_lease_is_swept_as_a_failure_at_its_expiry(client: httpx.Client) -> None:
     before = client.get("/metrics").text
     started = post(client, "start", {"attempt": 1, "started_at": T1, "lease_seconds": 1}).json()
-    swept = wait_for(lambda: (r := record(client))["status"] == "failed" and r)
+    swept = wait_for("the sweep", lambda: (r := record(client))["status"] == "failed" and r)
     assert swept["error_code"] == "lease_expired"
     assert swept["completed_at"] == started["lease_expires_at"]
     assert swept["lease_expires_at"] is None
@@ -231,13 +223,13 @@ def test_heartbeats_keep_a_step_past_its_first_lease(client: httpx.Client) -> No
         assert post(client, "heartbeat", {"attempt": 1, "lease_seconds": 1}).status_code == 200
         time.sleep(0.25)
     assert record(client)["status"] == "running"
-    wait_for(lambda: record(client)["status"] == "failed")
+    eventually(lambda: record(client)["status"] == "failed")
 
 
 def test_a_step_without_a_lease_is_never_swept(client: httpx.Client) -> None:
     post(client, "start", {"attempt": 1}, step="free")
     post(client, "start", {"attempt": 1, "lease_seconds": 1}, step="leased")
-    wait_for(lambda: record(client, step="leased")["status"] == "failed")
+    eventually(lambda: record(client, step="leased")["status"] == "failed")
     assert record(client, step="free")["status"] == "running"
 
 
