@@ -30,13 +30,16 @@ from steprecord_client import (
     current_instance,
 )
 
+from tests.helpers import eventually
+
 
 class _Fast(TypedDict):
     backoff: float
     max_backoff: float
+    retry_backoff: float
 
 
-FAST: _Fast = {"backoff": 0.01, "max_backoff": 0.05}
+FAST: _Fast = {"backoff": 0.01, "max_backoff": 0.05, "retry_backoff": 0.0}
 
 
 LONG_AGO = "2000-01-01T00:00:00Z"
@@ -947,13 +950,6 @@ def test_record_reads_one_record_or_none(rec: Recorder, raw: httpx.Client) -> No
 # --------------------------------------------------------------------------- leases
 
 
-def _wait_for(condition: Callable[[], bool], timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def test_heartbeats_keep_a_long_step_alive(rec: Recorder, raw: httpx.Client) -> None:
     """A 1-second lease on a 3-second step: the sweeper (every 0.2 s) would fail it, but the
     heartbeats keep extending the lease until the step returns."""
@@ -1029,7 +1025,7 @@ def test_a_killed_workers_step_is_swept(server_url: str, raw: httpx.Client) -> N
         if worker.poll() is None:
             worker.kill()
             worker.wait()
-    _wait_for(lambda: must_get(raw, "lease-3", "forever")["status"] == "failed")
+    eventually(lambda: must_get(raw, "lease-3", "forever")["status"] == "failed")
     record = must_get(raw, "lease-3", "forever")
     assert (record["error_code"], record["attempt_count"]) == ("lease_expired", 1)
 

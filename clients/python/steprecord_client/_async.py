@@ -35,9 +35,13 @@ class AsyncRecorder:
         backoff: float = 0.2,
         max_backoff: float = 5.0,
         timeout: float | httpx.Timeout = 10.0,
+        retry_backoff: float = 1.0,
+        retry_backoff_max: float = 30.0,
+        retry_jitter: bool = True,
     ) -> None:
         self._offload = offload
         self._backoff = _core.Backoff(max_retries, backoff, max_backoff)
+        self._pause = _core.RetryBackoff(retry_backoff, retry_backoff_max, retry_jitter)
         self._client = httpx.AsyncClient(
             base_url=base_url, headers=_core.headers(token), timeout=timeout
         )
@@ -75,7 +79,14 @@ class AsyncRecorder:
         return InstanceScope(key)
 
     def step(
-        self, slug: str, *, retries: int = 0, lease_seconds: int | None = None
+        self,
+        slug: str,
+        *,
+        retries: int = 0,
+        lease_seconds: int | None = None,
+        retry_backoff: float | None = None,
+        retry_backoff_max: float | None = None,
+        retry_jitter: bool | None = None,
     ) -> _AsyncStepDecorator:
         """Decorator: make a function a recorded step named ``slug``; see ``Recorder.step``.
 
@@ -84,12 +95,14 @@ class AsyncRecorder:
         An ``async def`` is awaited in the wrapper's own task (its own copy of the
         context); a plain ``def`` runs in a worker thread via :func:`asyncio.to_thread`.
         With ``lease_seconds``, heartbeats are sent from a background task while it runs.
+        Between attempts of ``retries=N`` it pauses with :func:`asyncio.sleep`.
         """
         return _AsyncStepDecorator(
             self,
             _core.check_name(slug, "step slug"),
             _core.check_retries(retries),
             _core.check_lease(lease_seconds),
+            _core.retry_backoff(self._pause, retry_backoff, retry_backoff_max, retry_jitter),
         )
 
     # -- reads
@@ -153,15 +166,21 @@ class AsyncRecorder:
 class _AsyncStepDecorator:
     """What ``AsyncRecorder.step(...)`` returns; applied to a function it gives the wrapper."""
 
-    __slots__ = ("_lease_seconds", "_recorder", "_retries", "_slug")
+    __slots__ = ("_lease_seconds", "_pause", "_recorder", "_retries", "_slug")
 
     def __init__(
-        self, recorder: AsyncRecorder, slug: str, retries: int, lease_seconds: int | None
+        self,
+        recorder: AsyncRecorder,
+        slug: str,
+        retries: int,
+        lease_seconds: int | None,
+        pause: _core.RetryBackoff,
     ) -> None:
         self._recorder = recorder
         self._slug = slug
         self._retries = retries
         self._lease_seconds = lease_seconds
+        self._pause = pause
 
     @overload
     def __call__(self, fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]: ...
@@ -172,5 +191,11 @@ class _AsyncStepDecorator:
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Coroutine[Any, Any, Any]]:
         rec = self._recorder
         return _core.make_async_wrapper(
-            fn, self._slug, self._retries, rec._send, rec._offload, self._lease_seconds
+            fn,
+            self._slug,
+            self._retries,
+            rec._send,
+            rec._offload,
+            self._lease_seconds,
+            self._pause,
         )

@@ -15,8 +15,10 @@ import contextlib
 import functools
 import inspect
 import json
+import random
 import re
 import threading
+import time
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -296,6 +298,51 @@ class Backoff:
         return wait
 
 
+@dataclass(frozen=True, slots=True)
+class RetryBackoff:
+    """The pause between a failed attempt of a ``retries=N`` step and its next attempt.
+
+    Before the attempt that follows failure ``n`` (1 for the first failure) the step waits
+    ``min(initial * 2**(n - 1), cap)`` seconds; with ``jitter`` a uniformly random time
+    between half of that and all of it (so workers that failed together do not retry in
+    step, and no pause collapses to nothing). ``initial=0`` retries back to back.
+    """
+
+    initial: float = 1.0
+    cap: float = 30.0
+    jitter: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("initial", "cap"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ValueError(f"retry backoff {name} must be a number >= 0, not {value!r}")
+
+    def delay(self, failure: int) -> float:
+        """Seconds to wait after failure number ``failure`` (1-based)."""
+        wait: float = min(self.initial * 2.0 ** min(failure - 1, 64), self.cap)
+        if self.jitter:
+            wait = random.uniform(wait / 2, wait)
+        return wait
+
+
+NO_PAUSE: Final = RetryBackoff(0.0, 0.0, False)
+
+
+def retry_backoff(
+    default: RetryBackoff,
+    initial: float | None = None,
+    cap: float | None = None,
+    jitter: bool | None = None,
+) -> RetryBackoff:
+    """``default`` with whichever of its fields are given replaced (and checked)."""
+    return RetryBackoff(
+        default.initial if initial is None else initial,
+        default.cap if cap is None else cap,
+        default.jitter if jitter is None else jitter,
+    )
+
+
 def problem_of(response: httpx.Response) -> dict[str, Any]:
     try:
         body = response.json()
@@ -470,7 +517,14 @@ class Invoke:
     heartbeat: Heartbeat | None = None
 
 
-Op = Http | Offload | Invoke
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Operation: wait ``seconds`` (between a failed attempt and the next)."""
+
+    seconds: float
+
+
+Op = Http | Offload | Invoke | Pause
 Flow = Generator[Op, Any, Any]
 
 
@@ -529,7 +583,12 @@ def _output_fields(value: Any, has_offload: bool) -> Flow:
 
 
 def step_flow(
-    key: str, slug: str, retries: int, has_offload: bool, lease_seconds: int | None = None
+    key: str,
+    slug: str,
+    retries: int,
+    has_offload: bool,
+    lease_seconds: int | None = None,
+    pause: RetryBackoff = NO_PAUSE,
 ) -> Flow:
     """The life of one call of a wrapped step (see the README); returns what the call returns.
 
@@ -539,7 +598,8 @@ def step_flow(
        when given); a :class:`StaleAttempt` here means the callback is not run.
     3. Run the callback, with heartbeats every third of the lease while it runs when
        ``lease_seconds`` is given. If it raises an :class:`Exception`, report ``fail`` and, while
-       retries remain, go again with attempt + 1; else re-raise the same exception object.
+       retries remain, wait as ``pause`` says and go again with attempt + 1; else re-raise
+       the same exception object.
        (A :class:`BaseException` such as ``KeyboardInterrupt`` or ``CancelledError``
        propagates at once and reports nothing: the record stays ``running``, like a crash.)
     4. Prepare the output: it must be JSON; offloaded when the recorder has ``offload``,
@@ -570,6 +630,9 @@ def step_flow(
         except Exception as exc:
             yield from _report_fail(path, attempt, started, exc)
             if round_ < retries:
+                wait = pause.delay(round_ + 1)
+                if wait > 0:
+                    yield Pause(wait)
                 attempt += 1
                 continue
             raise
@@ -623,6 +686,8 @@ def drive_sync(
                             "offload() returned an awaitable: use a plain function with "
                             "Recorder, or use AsyncRecorder"
                         )
+                elif isinstance(op, Pause):
+                    time.sleep(op.seconds)
                 else:
                     with heartbeats_in_thread(op.heartbeat, send):
                         result = invoke()
@@ -660,6 +725,8 @@ async def drive_async(
                     result = offload(op.value)
                     if inspect.isawaitable(result):
                         result = await result
+                elif isinstance(op, Pause):
+                    await asyncio.sleep(op.seconds)
                 else:
                     async with heartbeats_in_task(op.heartbeat, send):
                         result = await invoke()
@@ -712,6 +779,7 @@ def make_async_wrapper(
     send: Callable[[Http], Awaitable[httpx.Response]],
     offload: Callable[[Any], Any] | None,
     lease_seconds: int | None = None,
+    pause: RetryBackoff = NO_PAUSE,
 ) -> Callable[..., Coroutine[Any, Any, Any]]:
     """Wrap ``fn`` (``async def`` or plain) into a coroutine function running :func:`step_flow`.
 
@@ -731,7 +799,7 @@ def make_async_wrapper(
             invoke: Callable[[], Awaitable[Any]] = lambda: fn(*args, **kwargs)  # noqa: E731
         else:
             invoke = lambda: invoke_plain(args, kwargs)  # noqa: E731
-        flow = step_flow(key, slug, retries, offload is not None, lease_seconds)
+        flow = step_flow(key, slug, retries, offload is not None, lease_seconds, pause)
         return await asyncio.create_task(drive_async(flow, send, invoke, offload))
 
     return wrapper

@@ -35,6 +35,12 @@ class Recorder:
     the retries run out, the transport error itself, or a :class:`StepRecordError` for the
     503, is raised. ``timeout`` is httpx's per-request timeout.
 
+    ``retry_backoff``, ``retry_backoff_max`` and ``retry_jitter`` are the default pause of
+    ``step(retries=N)`` between a failed attempt and the next: ``retry_backoff`` seconds
+    doubling per failure up to ``retry_backoff_max``, each a random time between half and all
+    of that when ``retry_jitter`` (1 s, 2 s, 4 s, ... up to 30 s by default; ``0`` retries back
+    to back). ``step()`` can override each of them.
+
     The recorder is thread-safe; use it as a context manager, or call :meth:`close`.
     """
 
@@ -48,9 +54,13 @@ class Recorder:
         backoff: float = 0.2,
         max_backoff: float = 5.0,
         timeout: float | httpx.Timeout = 10.0,
+        retry_backoff: float = 1.0,
+        retry_backoff_max: float = 30.0,
+        retry_jitter: bool = True,
     ) -> None:
         self._offload = offload
         self._backoff = _core.Backoff(max_retries, backoff, max_backoff)
+        self._pause = _core.RetryBackoff(retry_backoff, retry_backoff_max, retry_jitter)
         self._client = httpx.Client(
             base_url=base_url, headers=_core.headers(token), timeout=timeout
         )
@@ -89,7 +99,14 @@ class Recorder:
         return InstanceScope(key)
 
     def step(
-        self, slug: str, *, retries: int = 0, lease_seconds: int | None = None
+        self,
+        slug: str,
+        *,
+        retries: int = 0,
+        lease_seconds: int | None = None,
+        retry_backoff: float | None = None,
+        retry_backoff_max: float | None = None,
+        retry_jitter: bool | None = None,
     ) -> _StepDecorator:
         """Decorator: make a function a recorded step named ``slug``.
 
@@ -98,7 +115,9 @@ class Recorder:
         run again: its output (or its ``external_output_url``) is returned. Otherwise the
         next attempt is reported started, the function runs, and ``complete`` (with the
         return value, which must be JSON) or ``fail`` (with the exception, re-raised as the
-        same object) is reported. ``retries=N`` runs up to N more attempts after a failure.
+        same object) is reported. ``retries=N`` runs up to N more attempts after a failure,
+        pausing before each as ``retry_backoff``, ``retry_backoff_max`` and ``retry_jitter``
+        say (each ``None``: the recorder's; see :class:`Recorder`).
         ``lease_seconds=S`` starts each attempt with a lease of S seconds and sends heartbeats
         (every S/3 seconds, from a background thread) while the function runs, so a worker
         that dies mid-step has its attempt failed by the service's sweeper
@@ -119,6 +138,7 @@ class Recorder:
             _core.check_name(slug, "step slug"),
             _core.check_retries(retries),
             _core.check_lease(lease_seconds),
+            _core.retry_backoff(self._pause, retry_backoff, retry_backoff_max, retry_jitter),
         )
 
     # -- reads
@@ -188,15 +208,21 @@ class Recorder:
 class _StepDecorator:
     """What ``Recorder.step(...)`` returns; applied to a function it gives the wrapper."""
 
-    __slots__ = ("_lease_seconds", "_recorder", "_retries", "_slug")
+    __slots__ = ("_lease_seconds", "_pause", "_recorder", "_retries", "_slug")
 
     def __init__(
-        self, recorder: Recorder, slug: str, retries: int, lease_seconds: int | None
+        self,
+        recorder: Recorder,
+        slug: str,
+        retries: int,
+        lease_seconds: int | None,
+        pause: _core.RetryBackoff,
     ) -> None:
         self._recorder = recorder
         self._slug = slug
         self._retries = retries
         self._lease_seconds = lease_seconds
+        self._pause = pause
 
     @overload
     def __call__(
@@ -208,15 +234,16 @@ class _StepDecorator:
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         rec, slug, retries, lease = self._recorder, self._slug, self._retries, self._lease_seconds
+        pause = self._pause
         if inspect.iscoroutinefunction(fn):
             return _core.make_async_wrapper(
-                fn, slug, retries, rec._send_in_thread, rec._offload, lease
+                fn, slug, retries, rec._send_in_thread, rec._offload, lease, pause
             )
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             key = _core.require_instance(slug)
-            flow = _core.step_flow(key, slug, retries, rec._offload is not None, lease)
+            flow = _core.step_flow(key, slug, retries, rec._offload is not None, lease, pause)
             return contextvars.copy_context().run(
                 _core.drive_sync, flow, rec._send, lambda: fn(*args, **kwargs), rec._offload
             )
