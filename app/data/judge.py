@@ -21,9 +21,9 @@ from app.domain import (
     Result,
 )
 
-# The merge is a function in the database (migration 0007 says how it judges; 0008 holds its
-# current SQL): PostgreSQL plans it once per connection, through any pooler, where the statement
-# it runs cost twice its execution time to plan on every call. It takes $1 the events' indexes,
+# The merge is a function in the database (app/sql/apply_events.sql says how it judges):
+# PostgreSQL plans it once per connection, through any pooler, where the statement it runs
+# cost twice its execution time to plan on every call. It takes $1 the events' indexes,
 # then one array per field of `PARAMS`, in order, and answers one row per event (index,
 # outcome, record) with events of distinct steps applied in one statement, each judged as if
 # alone. It runs on a raw cursor: the text is sent as is, never parsed for placeholders.
@@ -33,9 +33,9 @@ APPLY_EVENTS = (
     " $11::text[], $12::bigint[], $13::int[])"
 )
 
-# One event (not a heartbeat) with scalars for arrays (migration 0010): the same answer, from
-# the half of the general statement the event needs: the record judged and, only when the
-# event applies, updated; or, when there is none, created.
+# One event (not a heartbeat) with scalars for arrays (app/sql/apply_event.sql): the same
+# answer, from the half of the general statement the event needs: the record judged and, only
+# when the event applies, updated; or, when there is none, created.
 APPLY_EVENT = (
     "SELECT * FROM steprecord_apply_event($1::int, $2::text, $3::text, $4::text, $5::bigint,"
     " $6::timestamptz, $7::timestamptz, $8::text, $9::text, $10::text, $11::text, $12::bigint,"
@@ -64,8 +64,8 @@ PARAMS = (
 )
 
 # A heartbeat extends the lease of the running attempt it names, under the record's row lock;
-# it never changes status, times or attempt_count (a function of migration 0007, like the
-# merge). Parameters: the events' indexes, then one array per field of `HEARTBEAT_PARAMS`.
+# it never changes status, times or attempt_count (app/sql/heartbeat.sql). Parameters: the
+# events' indexes, then one array per field of `HEARTBEAT_PARAMS`.
 HEARTBEAT = (
     "SELECT * FROM steprecord_heartbeat($1::int[], $2::text[], $3::text[], $4::bigint[], $5::int[])"
 )

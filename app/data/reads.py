@@ -32,7 +32,7 @@ async def get_step(conn: AsyncConn, instance_key: str, step_slug: str) -> dict[s
     return with_key(row, instance_key)
 
 
-# A page of an instance's records (migration 0012 holds the function and says how it reads):
+# A page of an instance's records (app/sql/list_page.sql says how it reads):
 # planned once per connection, where the statement it runs cost more to plan than to run on
 # every call. Its columns are `PAGE_COLUMNS`, the record as the API shows it, in that order.
 LIST_PAGE = (
