@@ -42,6 +42,8 @@ class Event:
 class Result:
     outcome: Outcome
     record: dict[str, Any] | None  # the record after the event, or as it stands when refused
+    # A late complete/fail of an older attempt (stale_attempt) that the history now holds.
+    recorded: bool = False
 
 
 class ConstraintViolation(Exception):

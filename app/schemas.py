@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 
 class Record(BaseModel):
@@ -89,6 +89,11 @@ class ProblemModel(BaseModel):
     code: str
     errors: list[FieldError] | None = None
     current: Record | None = None
+    recorded: bool | None = Field(
+        None,
+        description="On a stale_attempt: whether this late report of an older attempt is"
+        " kept in the step's history (the record never changes for it)",
+    )
 
 
 def _problem(description: str) -> dict[str, Any]:

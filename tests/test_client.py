@@ -590,8 +590,11 @@ def test_newer_attempt_started_while_the_callback_runs_makes_complete_raise_stal
     assert caught.value.code == "stale_attempt"
     assert caught.value.current is not None
     assert caught.value.current["attempt_count"] == 2
+    assert caught.value.recorded  # the zombie's completion is kept in the history
     record = must_get(raw, "order-14", "zombie")
     assert (record["status"], record["attempt_count"], record["output"]) == ("running", 2, None)
+    first = raw.get("/v1/instances/order-14/steps/zombie/attempts").json()["items"][0]
+    assert (first["attempt"], first["status"], first["output"]) == (1, "completed", "late")
 
 
 def test_stale_attempt_answering_start_means_the_callback_is_not_run(

@@ -5,12 +5,13 @@ with at most one terminal content per attempt and identical duplicates, every ar
 and every concurrent interleaving ends in the same record, and every response is 2xx or 409
 `stale_attempt`.
 
-The history converges as far as arrival order lets it. When each attempt's events arrive
-before any higher attempt's (in any order, or concurrently, within the attempt), the history
-is always the same. In any order at all, the current attempt's history is the same, and every
-earlier attempt that made it into the history is told truthfully: its own start, and either
-its own terminal event or `superseded`. (An attempt whose events all arrive after a higher
-attempt started was stale: the service refused it, so no history can show it.)
+The history converges too. When each attempt's events arrive before any higher attempt's (in
+any order, or concurrently, within the attempt), the history is always the same. In any order
+at all, the current attempt's history is the same, and every earlier attempt that reported an
+end holds its own terminal report, however late it came (a late report is refused for the
+record but kept in the history). An earlier attempt that never reported an end is
+`superseded`, or absent when even its start came after a higher attempt's (a late start
+writes nothing).
 """
 
 import asyncio
@@ -137,6 +138,9 @@ def assert_truthful(result: dict[str, Any], reference: dict[str, Any], events: l
     }
     rows: list[dict[str, Any]] = result["history"]
     assert rows[-1:] == reference["history"][-1:]
+    ended = {body["attempt"] for kind, body in events if kind in TERMINAL}
+    earlier = {row["attempt"] for row in rows[:-1]}
+    assert {a for a in ended if a < result["attempt_count"]} <= earlier, (ended, rows)
     for row in rows[:-1]:
         own = [body for kind, body in events if body.get("attempt") == row["attempt"]]
         assert own, row
@@ -147,6 +151,7 @@ def assert_truthful(result: dict[str, Any], reference: dict[str, Any], events: l
             if kind in TERMINAL and body.get("attempt") == row["attempt"]
         }
         if row["status"] == "superseded":
+            assert row["attempt"] not in ended, row  # its own end was kept, whenever it came
             assert row["completed_at"] >= row["started_at"]
             continue
         assert row["status"] in terminals, row

@@ -150,11 +150,13 @@ def test_fail_replay_compares_code_and_message(client: httpx.Client) -> None:
 
 
 def test_stale_attempt_is_refused_with_the_current_record(client: httpx.Client) -> None:
+    """The record never changes for an older attempt; its report is kept in the history."""
     post(client, "start", {"attempt": 2, "started_at": T2})
     body = problem(post(client, "complete", {"attempt": 1, "started_at": T1}), 409, "stale_attempt")
     assert body["current"]["attempt_count"] == 2
+    assert body["recorded"] is True
     assert record(client)["status"] == "running"
-    assert history(client) == [(2, "running")]
+    assert history(client) == [(1, "completed"), (2, "running")]
 
 
 def test_late_start_of_the_same_attempt_is_unchanged(client: httpx.Client) -> None:

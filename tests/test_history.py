@@ -5,7 +5,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import T1, T2, T3, T4, post, problem, record, step_path
+from tests.helpers import T1, T2, T3, T4, attempts, history, post, problem, record, step_path
 
 
 def retried(client: httpx.Client) -> None:
@@ -141,3 +141,41 @@ def test_a_cursor_of_the_step_list_is_not_an_attempts_cursor(client: httpx.Clien
     problem(
         client.get(f"{step_path()}/attempts", params={"cursor": cursor}), 422, "validation_error"
     )
+
+
+def test_a_late_report_of_a_superseded_attempt_is_kept_in_the_history_not_the_record(
+    client: httpx.Client,
+) -> None:
+    post(client, "start", {"attempt": 1, "started_at": T1})
+    post(client, "start", {"attempt": 2, "started_at": T2})
+    late = {"attempt": 1, "completed_at": T2, "error_code": "Timeout", "error_message": "slow"}
+    body = problem(post(client, "fail", late), 409, "stale_attempt")
+    assert body["recorded"] is True
+    assert "kept in the step's history" in body["detail"]
+    assert body["current"]["attempt_count"] == 2
+    assert body["current"]["status"] == "running"
+    assert problem(post(client, "fail", late), 409, "stale_attempt")["recorded"] is True
+    other = {**late, "error_code": "Other"}
+    assert problem(post(client, "fail", other), 409, "stale_attempt")["recorded"] is False
+    stale_start = problem(
+        post(client, "start", {"attempt": 1, "started_at": T1}), 409, "stale_attempt"
+    )
+    assert stale_start["recorded"] is False
+    first = attempts(client)[0]
+    assert (first["attempt"], first["status"], first["error_code"]) == (1, "failed", "Timeout")
+    assert (first["started_at"], first["completed_at"], first["error_message"]) == (T1, T2, "slow")
+    assert record(client)["status"] == "running"
+    assert history(client) == [(1, "failed"), (2, "running")]
+
+
+def test_a_late_report_of_an_attempt_the_history_never_saw_becomes_its_entry(
+    client: httpx.Client,
+) -> None:
+    post(client, "start", {"attempt": 3, "started_at": T3})
+    late = {"attempt": 2, "completed_at": T2, "output": {"partial": True}}
+    assert problem(post(client, "complete", late), 409, "stale_attempt")["recorded"] is True
+    entry = attempts(client)[0]
+    # No start was ever reported for attempt 2: it started, as far as anyone knows, when it ended.
+    assert (entry["attempt"], entry["status"], entry["started_at"]) == (2, "completed", T2)
+    assert entry["output"] == {"partial": True}
+    assert history(client) == [(2, "completed"), (3, "running")]

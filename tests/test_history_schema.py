@@ -324,3 +324,106 @@ def test_each_filter_across_instances_reads_its_index_without_sorting(wide_table
     rows = wide_table.execute("EXPLAIN " + operations.SWEEP, {"limit": 500}).fetchall()
     text = "\n".join(str(r[0]) for r in rows)
     assert "ix_workflow_step_record_leased_updated_at_id" in text, text
+
+
+# --- late reports of superseded attempts -----------------------------------------------------
+
+LATE_FAIL = (
+    "SELECT recorded FROM steprecord_apply_event(0, 'run-1', %s, 'fail', %s, NULL, %s, NULL,"
+    " NULL, 'Late', NULL, NULL, NULL)"
+)
+
+
+def superseded(db: Conn, instance_id: int) -> int:
+    """A record at attempt 2 whose attempt 1 is `superseded` in the history."""
+    record_id = insert(db, instance_id, **BASE["running"])
+    update(db, record_id, attempt_count=2, started_at=T2)
+    assert [row[:2] for row in history(db, record_id)] == [(1, "superseded"), (2, "running")]
+    return record_id
+
+
+def slug_of(db: Conn, record_id: int) -> str:
+    row = db.execute("SELECT step_slug FROM workflow_step_record WHERE id = %s", (record_id,))
+    found = row.fetchone()
+    assert found is not None
+    return str(found[0])
+
+
+def test_the_judge_turns_a_superseded_attempt_into_its_late_report(
+    db: Conn, instance_id: int
+) -> None:
+    record_id = superseded(db, instance_id)
+    (row,) = db.execute(LATE_FAIL, (slug_of(db, record_id), 1, T2)).fetchall()
+    assert row == (True,)
+    assert [r[:2] + r[5:] for r in history(db, record_id)] == [
+        (1, "failed", "Late"),
+        (2, "running", None),
+    ]
+
+
+def test_the_judge_inserts_the_late_report_of_a_missing_attempt(db: Conn, instance_id: int) -> None:
+    record_id = insert(db, instance_id, **{**BASE["running"], "attempt_count": 3})
+    assert db.execute(LATE_FAIL, (slug_of(db, record_id), 2, T2)).fetchall() == [(True,)]
+    assert [r[:2] for r in history(db, record_id)] == [(2, "failed"), (3, "running")]
+
+
+def test_a_hand_written_late_report_is_refused(db: Conn, instance_id: int) -> None:
+    superseded(db, instance_id)
+    refused(
+        db,
+        GUARD,
+        "UPDATE workflow_step_attempt SET status = 'failed', error_code = 'Hand'"
+        " WHERE status = 'superseded'",
+    )
+    insert(db, instance_id, **{**BASE["running"], "step_slug": "late", "attempt_count": 3})
+    refused(
+        db,
+        GUARD,
+        "INSERT INTO workflow_step_attempt (instance_id, record_id, attempt, status, started_at,"
+        " completed_at, error_code) SELECT instance_id, id, 1, 'failed', started_at,"
+        " started_at, 'Hand' FROM workflow_step_record WHERE step_slug = 'late'",
+    )
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        # A finished entry never changes, not even as the judge's writer.
+        "UPDATE workflow_step_attempt SET error_message = 'rewritten' WHERE status = 'failed'",
+        # A late report ends an attempt; it never reopens one.
+        "UPDATE workflow_step_attempt SET status = 'running', completed_at = NULL"
+        " WHERE status = 'superseded'",
+        # Only an attempt older than its record's.
+        "UPDATE workflow_step_attempt SET status = 'failed', error_code = 'E'"
+        " WHERE status = 'running'",
+        "INSERT INTO workflow_step_attempt (instance_id, record_id, attempt, status, started_at,"
+        " completed_at, error_code) SELECT instance_id, id, 5, 'failed', started_at,"
+        " started_at, 'E' FROM workflow_step_record",
+        "DELETE FROM workflow_step_attempt",
+    ],
+    ids=["finished", "reopen", "current-attempt", "newer-attempt", "delete"],
+)
+def test_even_the_judge_s_writer_may_only_end_an_older_superseded_or_missing_attempt(
+    db: Conn, instance_id: int, sql: str
+) -> None:
+    """Attempt 1 failed (a late report), attempt 2 superseded, attempt 3 running."""
+    record_id = superseded(db, instance_id)
+    update(db, record_id, attempt_count=3, started_at=T2)
+    db.execute(LATE_FAIL, (slug_of(db, record_id), 1, T2))
+    assert [r[:2] for r in history(db, record_id)] == [
+        (1, "failed"),
+        (2, "superseded"),
+        (3, "running"),
+    ]
+    db.execute("SET LOCAL steprecord.writer = 'judge'")
+    refused(db, GUARD, sql)
+
+
+def test_a_late_report_never_changes_a_terminal_entry(db: Conn, instance_id: int) -> None:
+    record_id = superseded(db, instance_id)
+    slug = slug_of(db, record_id)
+    assert db.execute(LATE_FAIL, (slug, 1, T2)).fetchall() == [(True,)]
+    assert db.execute(LATE_FAIL, (slug, 1, T2)).fetchall() == [(True,)]  # the same report
+    other = LATE_FAIL.replace("'Late'", "'Other'")
+    assert db.execute(other, (slug, 1, T2)).fetchall() == [(False,)]
+    assert history(db, record_id)[0][:2] + history(db, record_id)[0][5:] == (1, "failed", "Late")

@@ -22,13 +22,14 @@ SET = (
 FIELDS = PARAMS[2:]  # the arguments after the instance key and the step slug
 # Everything but the generated id and the clock's times (created_at, updated_at, a lease).
 COMPARED = (
-    *("i", "outcome", "step_slug", "ordinal", "status", "attempt_count", "output"),
+    *("i", "outcome", "recorded", "step_slug", "ordinal", "status", "attempt_count", "output"),
     *("external_output_url", "started_at", "completed_at", "error_code", "error_message"),
 )
 
 T1, T2, T3, T4 = (f"2026-12-04T10:00:0{n}Z" for n in range(1, 5))
 # One step's events, in order, reaching every outcome: created, replay, applied, conflict,
-# stale_attempt, not_started (a terminal event without a start on a new step), ordinal_taken.
+# stale_attempt, not_started (a terminal event without a start on a new step), ordinal_taken,
+# and the late reports of older attempts that the history keeps (`recorded`) or refuses.
 EVENTS: list[tuple[str, dict[str, Any]]] = [
     ("a", {"kind": "declare"}),
     ("a", {"kind": "declare"}),
@@ -52,11 +53,33 @@ EVENTS: list[tuple[str, dict[str, Any]]] = [
     ),
     ("a", {"kind": "start", "attempt": 3, "started_at": T4}),
     ("a", {"kind": "complete", "attempt": 3, "completed_at": T4, "external_output_url": "s3://x"}),
+    # Late reports: attempt 1 superseded by attempt 2, then its own fail arrives (kept), again
+    # (kept, as the first), then another content (refused), then its start (writes nothing).
+    ("g", {"kind": "start", "attempt": 1, "started_at": T1}),
+    ("g", {"kind": "start", "attempt": 2, "started_at": T3}),
+    ("g", {"kind": "fail", "attempt": 1, "completed_at": T2, "error_code": "Late"}),
+    ("g", {"kind": "fail", "attempt": 1, "completed_at": T2, "error_code": "Late"}),
+    ("g", {"kind": "complete", "attempt": 1, "completed_at": T2, "output": "3"}),
+    ("g", {"kind": "start", "attempt": 1, "started_at": T1}),
+    # Attempt 3 starts first: attempt 2 has no entry and its report becomes one; attempt 1's
+    # report ends before it starts, so it writes nothing.
+    ("h", {"kind": "start", "attempt": 3, "started_at": T4}),
+    ("h", {"kind": "complete", "attempt": 2, "completed_at": T3, "output": "[2]"}),
+    ("h", {"kind": "fail", "attempt": 1, "started_at": T3, "completed_at": T2, "error_code": "E"}),
     ("b", {"kind": "complete", "attempt": 1, "completed_at": T2}),
     ("c", {"kind": "start", "ordinal": 7, "started_at": T1}),
     ("e", {"kind": "start", "started_at": T1}),
     ("f", {"kind": "start", "ordinal": 2**31, "started_at": T1}),  # past the last ordinal
 ]
+HISTORY = """
+SELECT r.step_slug, a.attempt, a.status, a.started_at, a.completed_at, a.output::text,
+       a.external_output_url, a.error_code, a.error_message
+FROM workflow_step_attempt a
+JOIN workflow_step_record r ON r.id = a.record_id
+JOIN process_instance p ON p.id = r.instance_id
+WHERE p.instance_key = %s
+ORDER BY r.step_slug, a.attempt
+"""
 
 
 def one(db: Conn, instance_key: str, slug: str, event: dict[str, Any]) -> list[tuple[Any, ...]]:
@@ -76,12 +99,13 @@ def _compared(cur: psycopg.Cursor[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
 
 
 def test_one_event_function_answers_as_the_general_function(db: Conn) -> None:
-    outcomes = []
+    outcomes, answers = [], []
     for slug, event in EVENTS:
         by_one = one(db, "judged-alone", slug, event)
         by_set = general(db, "judged-in-a-set", slug, event)
         assert by_one == by_set, (slug, event)
         outcomes.append(by_one[0][1] if by_one else None)
+        answers.append(by_one[0])
     assert outcomes == [
         "created",
         "replay",
@@ -95,10 +119,22 @@ def test_one_event_function_answers_as_the_general_function(db: Conn) -> None:
         "applied",
         "applied",
         "applied",
+        *("created", "applied", "stale_attempt", "stale_attempt", "stale_attempt"),
+        *("stale_attempt", "created", "stale_attempt", "stale_attempt"),
         "not_started",
         "created",
         "created",
         "ordinal_taken",
+    ]
+    recorded = [(slug, by[2]) for (slug, _), by in zip(EVENTS, answers, strict=True) if by[2]]
+    assert recorded == [("g", True), ("g", True), ("h", True)]
+    alone = db.execute(HISTORY, ("judged-alone",)).fetchall()
+    assert alone == db.execute(HISTORY, ("judged-in-a-set",)).fetchall()
+    assert [row[:3] for row in alone if row[0] in ("g", "h")] == [
+        ("g", 1, "failed"),
+        ("g", 2, "running"),
+        ("h", 2, "completed"),
+        ("h", 3, "running"),
     ]
 
 

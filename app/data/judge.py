@@ -181,7 +181,8 @@ async def _apply_statement(
             outcome = row.pop("outcome")
             instance_key = events[index].instance_key
             record = None if row["id"] is None else with_key(row, instance_key)
-            outcomes[index] = Result(outcome, record)
+            recorded = bool(row.pop("recorded", False))  # heartbeats answer no such column
+            outcomes[index] = Result(outcome, record, recorded)
         pending = [index for index in pending if outcomes[index] is None]
         if not pending:
             return

@@ -23,7 +23,14 @@ def judged(result: Result, event: Event) -> tuple[int, dict[str, Any]]:
         current = None if result.record is None else record_json(result.record)
         if result.record is not None:
             detail = _explain(result.outcome, event, result.record) or detail
-        raise Problem(status, result.outcome, detail, current=current)
+        if result.outcome != "stale_attempt":
+            raise Problem(status, result.outcome, detail, current=current)
+        if result.recorded:
+            detail += (
+                f"; this report of attempt {event.attempt} is kept in the step's history"
+                " (see .../attempts), and the record stays with the newer attempt"
+            )
+        raise Problem(status, result.outcome, detail, current=current, recorded=result.recorded)
     assert result.record is not None
     return (201 if result.outcome == "created" else 200), record_json(result.record)
 

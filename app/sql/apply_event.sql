@@ -15,15 +15,17 @@
 --   2. when it applies, write it (`upd`); any other outcome writes nothing, so an unchanged
 --      record fires no update trigger;
 --   3. when there is no record, create it (the general statement without `dec` and `upd`),
---      or answer not_started or ordinal_taken. A record created concurrently between 1 and
+--      or answer not_started or ordinal_taken;
+--   4. when it is a late complete/fail of an older attempt, let the history take it (the
+--      general statement's `late` steps). A record created concurrently between 1 and
 --      3 is found there by `cur` and left alone: the event then has no answer row, as when
 --      it loses such a race in the general statement, and the caller calls again.
 -- The record's row lock taken in 1 is held until the transaction ends, so the decision of
--- 1 still holds when 2 writes.
+-- 1 still holds when 2 or 4 writes.
 CREATE OR REPLACE FUNCTION steprecord_apply_event(
     int, text, text, text, bigint, timestamptz, timestamptz, text, text, text, text, bigint, int
 ) RETURNS TABLE (
-    i integer, outcome text,
+    i integer, outcome text, recorded boolean,
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
     output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
     error_code text, error_message text, created_at timestamptz, updated_at timestamptz,
@@ -31,6 +33,7 @@ CREATE OR REPLACE FUNCTION steprecord_apply_event(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
+SET steprecord.writer = 'judge'
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -98,7 +101,7 @@ BEGIN
             ) s
     )
     SELECT d.outcome, d.a_e, d.started_at AS judged_started_at, e.now,
-           cur.id, cur.step_slug, cur.ordinal, cur.status, cur.attempt_count,
+           cur.instance_id AS judged_instance_id, cur.id, cur.step_slug, cur.ordinal, cur.status, cur.attempt_count,
            cur.output::text AS output, cur.external_output_url, cur.started_at,
            cur.completed_at, cur.error_code, cur.error_message, cur.created_at,
            cur.updated_at, cur.lease_expires_at
@@ -207,7 +210,7 @@ BEGIN
             ORDER BY inst.id, e.step_slug
             RETURNING r.*
         )
-        SELECT e.i, 'created' AS outcome,
+        SELECT e.i, 'created' AS outcome, false AS recorded,
                ins.id, ins.step_slug, ins.ordinal, ins.status, ins.attempt_count,
                ins.output::text AS output, ins.external_output_url, ins.started_at,
                ins.completed_at, ins.error_code, ins.error_message, ins.created_at,
@@ -215,13 +218,13 @@ BEGIN
         FROM ins JOIN inst ON inst.id = ins.instance_id
         JOIN e ON e.instance_key = inst.instance_key AND e.step_slug = ins.step_slug
         UNION ALL
-        SELECT e.i, 'not_started',
+        SELECT e.i, 'not_started', false,
                NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                NULL
         FROM e
         WHERE NOT e.can_create AND NOT EXISTS (SELECT 1 FROM cur WHERE cur.i = e.i)
         UNION ALL
-        SELECT a.i, 'ordinal_taken',
+        SELECT a.i, 'ordinal_taken', false,
                NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                NULL
         FROM assigned a WHERE a.ordinal > 2147483647;
@@ -266,15 +269,81 @@ BEGIN
             WHERE r.id = d.id AND d.outcome = 'applied'
             RETURNING d.i, r.*
         )
-        SELECT upd.i, 'applied'::text,
+        SELECT upd.i, 'applied'::text, false,
                upd.id, upd.step_slug, upd.ordinal, upd.status, upd.attempt_count,
                upd.output::text AS output, upd.external_output_url, upd.started_at,
                upd.completed_at, upd.error_code, upd.error_message, upd.created_at,
                upd.updated_at, upd.lease_expires_at
         FROM upd;
+    ELSIF judged.outcome = 'stale_attempt' AND $4 IN ('complete', 'fail') THEN
+        -- 4. A late report of an older attempt: the record stays as it is; the history takes
+        --    the report when that attempt's entry is missing or superseded (see the `late`
+        --    steps of apply_events.sql for the rules; these are the same over one event).
+        RETURN QUERY
+        WITH e AS MATERIALIZED (
+            SELECT x.i, x.instance_key, x.step_slug, x.kind, x.attempt, x.started_at,
+                   x.completed_at, x.output::jsonb AS output, x.url, x.error_code,
+                   x.error_message, x.ordinal,
+                   judged.now + x.lease_seconds * interval '1 second' AS lease_expires_at,
+                   judged.now AS now,
+                   CASE x.kind WHEN 'declare' THEN 0 WHEN 'start' THEN 1 ELSE 2 END AS k,
+                   CASE x.kind WHEN 'declare' THEN 'pending' WHEN 'start' THEN 'running'
+                               WHEN 'complete' THEN 'completed' ELSE 'failed' END AS target,
+                   (x.kind IN ('declare', 'start') OR x.started_at IS NOT NULL) AS can_create
+            FROM (VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13))
+                AS x(i, instance_key, step_slug, kind, attempt, started_at, completed_at,
+                     output, url, error_code, error_message, ordinal, lease_seconds)
+        ),
+        late AS (
+            SELECT e.i, judged.judged_instance_id AS instance_id, judged.id AS record_id,
+                   judged.a_e AS attempt, e.target, e.now, e.output, e.url, e.error_code,
+                   e.error_message, h.status AS entry_status, h.output AS entry_output,
+                   h.external_output_url AS entry_url, h.error_code AS entry_error_code,
+                   h.error_message AS entry_error_message, t.completed_at,
+                   COALESCE(e.started_at, h.started_at, t.completed_at) AS started_at
+            FROM e
+            LEFT JOIN workflow_step_attempt h
+                ON h.record_id = judged.id AND h.attempt = judged.a_e,
+                LATERAL (SELECT COALESCE(
+                    e.completed_at, GREATEST(e.now, COALESCE(e.started_at, h.started_at))
+                ) AS completed_at) t
+        ),
+        late_write AS (
+            INSERT INTO workflow_step_attempt AS a (
+                instance_id, record_id, attempt, status, started_at, completed_at, output,
+                external_output_url, error_code, error_message, created_at, updated_at)
+            SELECT l.instance_id, l.record_id, l.attempt, l.target, l.started_at,
+                   l.completed_at, l.output, l.url, l.error_code, l.error_message, l.now, l.now
+            FROM late l
+            WHERE (l.entry_status IS NULL OR l.entry_status = 'superseded')
+              AND l.started_at <= l.completed_at
+            ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_record_id_attempt DO UPDATE SET
+                status = EXCLUDED.status,
+                started_at = EXCLUDED.started_at,
+                completed_at = EXCLUDED.completed_at,
+                output = EXCLUDED.output,
+                external_output_url = EXCLUDED.external_output_url,
+                error_code = EXCLUDED.error_code,
+                error_message = EXCLUDED.error_message,
+                updated_at = EXCLUDED.updated_at
+            WHERE a.status = 'superseded'
+            RETURNING a.record_id, a.attempt
+        )
+        SELECT $1, judged.outcome,
+            EXISTS (SELECT 1 FROM late_write)
+            OR EXISTS (SELECT 1 FROM late l
+                       WHERE l.entry_status = l.target
+                         AND l.entry_output IS NOT DISTINCT FROM l.output
+                         AND l.entry_url IS NOT DISTINCT FROM l.url
+                         AND l.entry_error_code IS NOT DISTINCT FROM l.error_code
+                         AND l.entry_error_message IS NOT DISTINCT FROM l.error_message),
+            judged.id, judged.step_slug, judged.ordinal, judged.status, judged.attempt_count,
+            judged.output::text AS output, judged.external_output_url, judged.started_at,
+            judged.completed_at, judged.error_code, judged.error_message, judged.created_at,
+            judged.updated_at, judged.lease_expires_at;
     ELSE
         -- Judged without a write (a replay or a refusal): the record as it stands.
-        RETURN QUERY SELECT $1, judged.outcome,
+        RETURN QUERY SELECT $1, judged.outcome, false,
             judged.id, judged.step_slug, judged.ordinal, judged.status, judged.attempt_count,
             judged.output::text AS output, judged.external_output_url, judged.started_at,
             judged.completed_at, judged.error_code, judged.error_message, judged.created_at,

@@ -9,14 +9,20 @@
 -- The events must be of distinct steps: each is judged as if alone (the caller splits a
 -- list where a step repeats, so later events of a step see the earlier ones' effects).
 --
--- Answer: one row per event, its index `i`, the `outcome` and the record after the event
--- (or as it stands, when the event was refused; NULLs when there is none):
+-- Answer: one row per event, its index `i`, the `outcome`, whether a late report was
+-- `recorded` in the history (below), and the record after the event (or as it stands, when
+-- the event was refused; NULLs when there is none):
 --   created        the event made the record;
 --   applied        the event was newer than the record and is now the record;
 --   replay         the same position and content as recorded, or a late start/declare of
 --                  the record's own attempt: nothing written;
 --   conflict       the same position with other content, or no attempt left: nothing written;
---   stale_attempt  an event of an attempt older than the record's: nothing written;
+--   stale_attempt  an event of an attempt older than the record's: the record is not
+--                  written. A complete/fail of such an attempt is still true news about it
+--                  (a late report): when that attempt's history entry is missing or
+--                  `superseded`, the report becomes the entry, and `recorded` is true; it is
+--                  true as well when the entry already holds this very report (a duplicate).
+--                  A terminal entry never changes.
 --   not_started    a complete/fail with no start to complete: nothing written;
 --   ordinal_taken  no server-assigned ordinal is left (past 2147483647): nothing written.
 -- An event with no answer row lost a race with a concurrent creator of its instance (this
@@ -32,11 +38,13 @@
 -- plan_cache_mode = force_generic_plan: every access is by key, so the plan does not depend
 -- on the arrays' contents; one generic plan, made once per connection, serves every call
 -- (a custom plan would be made again, at the full planning cost, on every call).
+-- steprecord.writer = 'judge', for the call only: the history's guard lets the judge, and
+-- nothing else, write a late report into the history (attempt_history.sql).
 CREATE OR REPLACE FUNCTION steprecord_apply_events(
     int[], text[], text[], text[], bigint[], timestamptz[], timestamptz[], text[],
     text[], text[], text[], bigint[], int[]
 ) RETURNS TABLE (
-    i integer, outcome text,
+    i integer, outcome text, recorded boolean,
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
     output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
     error_code text, error_message text, created_at timestamptz, updated_at timestamptz,
@@ -44,6 +52,7 @@ CREATE OR REPLACE FUNCTION steprecord_apply_events(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
+SET steprecord.writer = 'judge'
 AS $fn$
 #variable_conflict use_column
 BEGIN
@@ -158,6 +167,60 @@ BEGIN
         WHERE r.id = d.id AND d.outcome = 'applied'
         RETURNING d.i, r.*
     ),
+    -- late: the complete/fail reports of an attempt older than the record's (stale), with
+    -- that attempt's history entry (h), under the record's row lock taken in `cur`, so no
+    -- other writer of this record's history runs meanwhile. The report's times: its own
+    -- completed_at, else the later of the clock and the start known; its own started_at,
+    -- else the entry's, else (nothing known) its completed_at.
+    late AS (
+        SELECT d.i, cur.instance_id, cur.id AS record_id, d.a_e AS attempt, e.target, e.now,
+               e.output, e.url, e.error_code, e.error_message, h.status AS entry_status,
+               h.output AS entry_output, h.external_output_url AS entry_url,
+               h.error_code AS entry_error_code, h.error_message AS entry_error_message,
+               t.completed_at, COALESCE(e.started_at, h.started_at, t.completed_at) AS started_at
+        FROM dec d JOIN cur ON cur.i = d.i JOIN e ON e.i = d.i
+        LEFT JOIN workflow_step_attempt h ON h.record_id = cur.id AND h.attempt = d.a_e,
+            LATERAL (SELECT COALESCE(
+                e.completed_at, GREATEST(e.now, COALESCE(e.started_at, h.started_at))
+            ) AS completed_at) t
+        WHERE d.outcome = 'stale_attempt' AND e.k = 2
+    ),
+    -- late_write: a missing entry is inserted, a superseded one becomes the report; a
+    -- terminal entry is left as it is (the WHERE of the upsert), and a report whose start
+    -- would follow its end writes nothing.
+    late_write AS (
+        INSERT INTO workflow_step_attempt AS a (
+            instance_id, record_id, attempt, status, started_at, completed_at, output,
+            external_output_url, error_code, error_message, created_at, updated_at)
+        SELECT l.instance_id, l.record_id, l.attempt, l.target, l.started_at, l.completed_at,
+               l.output, l.url, l.error_code, l.error_message, l.now, l.now
+        FROM late l
+        WHERE (l.entry_status IS NULL OR l.entry_status = 'superseded')
+          AND l.started_at <= l.completed_at
+        ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_record_id_attempt DO UPDATE SET
+            status = EXCLUDED.status,
+            started_at = EXCLUDED.started_at,
+            completed_at = EXCLUDED.completed_at,
+            output = EXCLUDED.output,
+            external_output_url = EXCLUDED.external_output_url,
+            error_code = EXCLUDED.error_code,
+            error_message = EXCLUDED.error_message,
+            updated_at = EXCLUDED.updated_at
+        WHERE a.status = 'superseded'
+        RETURNING a.record_id, a.attempt
+    ),
+    -- late_recorded: the report is in the history now, written here or there already (the
+    -- same status and content: a duplicate of a late report is recorded as the first was).
+    late_recorded AS (
+        SELECT l.i FROM late l
+        WHERE EXISTS (SELECT 1 FROM late_write w
+                      WHERE w.record_id = l.record_id AND w.attempt = l.attempt)
+           OR (l.entry_status = l.target
+               AND l.entry_output IS NOT DISTINCT FROM l.output
+               AND l.entry_url IS NOT DISTINCT FROM l.url
+               AND l.entry_error_code IS NOT DISTINCT FROM l.error_code
+               AND l.entry_error_message IS NOT DISTINCT FROM l.error_message)
+    ),
     -- fresh: the events that create a record. s counts, per instance and in event order,
     -- the new steps whose ordinal the server assigns.
     fresh AS (
@@ -245,7 +308,7 @@ BEGIN
     )
     -- The answers: created, applied, judged without a write, and the refusals of events
     -- that have no record.
-    SELECT e.i, 'created' AS outcome,
+    SELECT e.i, 'created' AS outcome, false AS recorded,
            ins.id, ins.step_slug, ins.ordinal, ins.status, ins.attempt_count,
            ins.output::text AS output, ins.external_output_url, ins.started_at,
            ins.completed_at, ins.error_code, ins.error_message, ins.created_at,
@@ -253,14 +316,14 @@ BEGIN
     FROM ins JOIN inst ON inst.id = ins.instance_id
     JOIN e ON e.instance_key = inst.instance_key AND e.step_slug = ins.step_slug
     UNION ALL
-    SELECT upd.i, 'applied',
+    SELECT upd.i, 'applied', false,
            upd.id, upd.step_slug, upd.ordinal, upd.status, upd.attempt_count,
            upd.output::text AS output, upd.external_output_url, upd.started_at,
            upd.completed_at, upd.error_code, upd.error_message, upd.created_at,
            upd.updated_at, upd.lease_expires_at
     FROM upd
     UNION ALL
-    SELECT d.i, d.outcome,
+    SELECT d.i, d.outcome, EXISTS (SELECT 1 FROM late_recorded r WHERE r.i = d.i),
            cur.id, cur.step_slug, cur.ordinal, cur.status, cur.attempt_count,
            cur.output::text AS output, cur.external_output_url, cur.started_at,
            cur.completed_at, cur.error_code, cur.error_message, cur.created_at,
@@ -268,12 +331,12 @@ BEGIN
     FROM dec d JOIN cur ON cur.i = d.i
     WHERE d.outcome <> 'applied'
     UNION ALL
-    SELECT e.i, 'not_started',
+    SELECT e.i, 'not_started', false,
            NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
     FROM e
     WHERE NOT e.can_create AND NOT EXISTS (SELECT 1 FROM cur WHERE cur.i = e.i)
     UNION ALL
-    SELECT a.i, 'ordinal_taken',
+    SELECT a.i, 'ordinal_taken', false,
            NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
     FROM assigned a WHERE a.ordinal > 2147483647;
 END

@@ -107,15 +107,35 @@ FOR EACH STATEMENT EXECUTE FUNCTION workflow_step_record_history_update();
 --   * it is written only by the record's triggers (trigger depth 2 and more): a
 --     hand-written INSERT, UPDATE or DELETE of the history is refused (deleting a record's
 --     instance still cascades: the cascade runs as a trigger too);
---   * a finished or superseded attempt never changes;
+--   * one exception, the judge's late report of an older attempt (apply_events.sql, its
+--     `late` steps), written while the judge runs (steprecord.writer = 'judge', set by
+--     the judge's functions for their call only): it may insert an attempt's terminal
+--     entry where there was none, or turn a `superseded` entry into its own terminal
+--     report, and nothing else;
+--   * a finished attempt never changes, and a superseded one only by that late report;
 --   * identities never change.
 -- It raises check_violation naming tr_workflow_step_attempt_guard, like a CHECK.
 CREATE OR REPLACE FUNCTION workflow_step_attempt_guard() RETURNS trigger
 LANGUAGE plpgsql AS $fn$
 DECLARE
     why text;
+    late_report boolean := pg_trigger_depth() < 2
+        AND current_setting('steprecord.writer', true) = 'judge'
+        AND TG_OP IN ('INSERT', 'UPDATE') AND NEW.status IN ('completed', 'failed');
 BEGIN
-    IF pg_trigger_depth() < 2 THEN
+    IF late_report THEN
+        IF TG_OP = 'UPDATE'
+           AND (NEW.id, NEW.instance_id, NEW.record_id, NEW.attempt, NEW.created_at)
+               IS DISTINCT FROM
+               (OLD.id, OLD.instance_id, OLD.record_id, OLD.attempt, OLD.created_at) THEN
+            why := 'id, instance_id, record_id, attempt and created_at never change';
+        ELSIF TG_OP = 'UPDATE' AND OLD.status <> 'superseded' THEN
+            why := 'a late report ends only a superseded attempt; a finished one never changes';
+        ELSIF NOT EXISTS (SELECT 1 FROM workflow_step_record r
+                          WHERE r.id = NEW.record_id AND r.attempt_count > NEW.attempt) THEN
+            why := 'a late report is of an attempt older than its record''s';
+        END IF;
+    ELSIF pg_trigger_depth() < 2 THEN
         why := 'the history is written only through workflow_step_record';
     ELSIF TG_OP = 'UPDATE' AND OLD.status <> 'running' THEN
         why := 'a finished or superseded attempt never changes';

@@ -101,6 +101,8 @@ class StaleAttempt(StepRecordError):
         super().__init__(status, problem)
         current = problem.get("current")
         self.current: Record | None = current if isinstance(current, dict) else None
+        # True when the service kept this late complete/fail in the attempt's history.
+        self.recorded: bool = problem.get("recorded") is True
 
 
 class NoInstance(RuntimeError):
