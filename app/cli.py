@@ -1,4 +1,4 @@
-"""The `steprecord` command: `serve`, `migrate`, `token` and `openapi`."""
+"""The `steprecord` command: `serve`, `migrate`, `prune`, `token` and `openapi`."""
 
 import argparse
 import asyncio
@@ -9,20 +9,23 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
 
 import psycopg
 import uvicorn
 from alembic import command
 from psycopg.rows import dict_row
-from pydantic import AliasChoices
+from pydantic import AliasChoices, ValidationError
 from uvicorn.supervisors import Multiprocess
 
-from app import domain
+from app import domain, pruning
 from app.access import SCOPES, new_token
-from app.config import Settings, is_loopback, redact
-from app.data import tokens
+from app.config import Settings, is_loopback, parse_duration, redact
+from app.data import retention, tokens
 from app.embedded import EmbeddedPostgres
 from app.main import alembic_config, create_app
 
@@ -233,6 +236,69 @@ def _refusal(exc: domain.ConstraintViolation, name: str) -> str:
     return f"refused by {exc.constraint}"
 
 
+def batch_size(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 10000:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from 1 to 10000")
+    return int(text)
+
+
+def prune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`steprecord prune`: bad input is refused (exit 2) before anything is read."""
+    try:
+        if args.older_than is not None:
+            age: timedelta | None = parse_duration(args.older_than)
+            before = None
+        else:
+            age, before = None, pruning.parse_timestamp(args.before)
+        archive = None if args.archive is None else pruning.Archive(args.archive)
+    except ValueError as exc:
+        parser.error(str(exc))
+    except FileExistsError:
+        parser.error(f"the archive {args.archive} exists: an archive is never overwritten")
+    except OSError as exc:
+        parser.error(f"cannot write the archive {args.archive}: {exc.strerror or exc}")
+    try:
+        with database(Settings()) as url:
+            migrate(url)
+            return asyncio.run(_prune(url, args, age, before, archive))
+    finally:
+        if archive is not None:
+            archive.close()
+
+
+async def _prune(
+    url: str,
+    args: argparse.Namespace,
+    age: timedelta | None,
+    before: datetime | None,
+    archive: pruning.Archive | None,
+) -> int:
+    async with await psycopg.AsyncConnection.connect(
+        url, autocommit=True, row_factory=dict_row
+    ) as conn:
+
+        @asynccontextmanager
+        async def connect() -> AsyncIterator[psycopg.AsyncConnection[dict[str, Any]]]:
+            yield conn
+
+        cutoff = before or await retention.database_now(conn) - (age or timedelta())
+        try:
+            pruned = await pruning.prune(
+                connect,
+                cutoff,
+                include_unfinished=args.include_unfinished,
+                dry_run=args.dry_run,
+                archive=archive,
+                batch=args.batch_size,
+            )
+        except pruning.ArchiveFailed as exc:
+            print(exc, file=sys.stderr)
+            return 1
+    assert pruned is not None  # only an exclusive prune gives way
+    print(pruned.summary(cutoff, dry_run=args.dry_run, archive=args.archive))
+    return 0
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults after each option; the epilog's lines kept as written."""
 
@@ -241,13 +307,28 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 SERVE_OPTIONS = {"host": "--host", "insecure_no_auth": "--insecure-no-auth"}
 
 
+def setting_variable(name: str) -> str:
+    """The environment variable of a `Settings` field."""
+    alias = Settings.model_fields[name].validation_alias
+    variable = alias.choices[0] if isinstance(alias, AliasChoices) else None
+    return str(variable or f"STEPRECORD_{name.upper()}")
+
+
+def invalid_settings(exc: ValidationError) -> int:
+    """A setting the environment gives wrongly: say which and why, without a traceback."""
+    for error in exc.errors():
+        name = str(error["loc"][0]) if error["loc"] else "?"
+        variable = setting_variable(name) if name in Settings.model_fields else name
+        message = str(error["msg"]).removeprefix("Value error, ")
+        print(f"invalid setting {variable}: {message}", file=sys.stderr)
+    return 2
+
+
 def environment_help() -> str:
     """The environment variables of the `Settings` class, with their defaults."""
     rows = []
     for name, field in Settings.model_fields.items():
-        alias = field.validation_alias
-        variable = alias.choices[0] if isinstance(alias, AliasChoices) else None
-        variable = str(variable or f"STEPRECORD_{name.upper()}")
+        variable = setting_variable(name)
         if name in SERVE_OPTIONS:
             note = f"set by {SERVE_OPTIONS[name]}"
         else:
@@ -291,6 +372,40 @@ def main(argv: list[str] | None = None) -> int:
         help="names, scopes and times, never the tokens; a use shows up within"
         " STEPRECORD_TOKEN_REFRESH_SECONDS (default 2)",
     )
+    p_prune = sub.add_parser(
+        "prune",
+        help="delete the instances last written before a cutoff",
+        description="Delete every instance whose last write is before the cutoff and none of"
+        " whose steps is pending or running, with its records and their history, in short"
+        " batches. Prints one summary line.",
+        formatter_class=HelpFormatter,
+    )
+    cutoff = p_prune.add_mutually_exclusive_group(required=True)
+    cutoff.add_argument(
+        "--older-than", metavar="DURATION", help="last written longer ago than 90s, 12h, 30d, 2w"
+    )
+    cutoff.add_argument(
+        "--before", metavar="TIMESTAMP", help="last written before 2026-11-01T00:00:00Z"
+    )
+    p_prune.add_argument(
+        "--include-unfinished",
+        action="store_true",
+        help="also delete instances with pending or running steps",
+    )
+    p_prune.add_argument("--dry-run", action="store_true", help="delete nothing; report")
+    p_prune.add_argument(
+        "--batch-size",
+        type=batch_size,
+        metavar="N",
+        default=pruning.BATCH,
+        help="instances judged and deleted per transaction (1-10000)",
+    )
+    p_prune.add_argument(
+        "--archive",
+        metavar="PATH",
+        type=Path,
+        help="first write each instance as one JSON line to this new .jsonl or .jsonl.gz file",
+    )
     p_revoke = actions.add_parser("revoke", help="end a token's access")
     p_revoke.add_argument("name")
     actions.add_parser(
@@ -298,8 +413,17 @@ def main(argv: list[str] | None = None) -> int:
         help="with no token left, let direct loopback requests be anonymous again",
     )
     args = parser.parse_args(argv)
+    try:
+        return run(args, p_prune)
+    except ValidationError as exc:
+        return invalid_settings(exc)
+
+
+def run(args: argparse.Namespace, p_prune: argparse.ArgumentParser) -> int:
     if args.command == "serve":
         return serve(args)
+    if args.command == "prune":
+        return prune(p_prune, args)
     if args.command == "openapi":
         print(openapi_json())
         return 0

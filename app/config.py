@@ -3,11 +3,13 @@
 import functools
 import ipaddress
 import os
+import re
+from datetime import timedelta
 from pathlib import Path
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -48,6 +50,29 @@ class Settings(BaseSettings):
     listen_url: SecretStr | None = None
     # Seconds of silence after which an open stream sends a keepalive comment.
     stream_heartbeat_seconds: float = Field(default=15.0, gt=0, le=3600)
+    # Finished instances last written longer ago than this are deleted in the background
+    # (`30d`, `12h`); unset: kept forever.
+    retention: timedelta | None = None
+
+    @field_validator("retention", mode="before")
+    @classmethod
+    def _duration(cls, value: object) -> object:
+        return parse_duration(value) if isinstance(value, str) and value.strip() else None
+
+
+DURATION = re.compile(r"([1-9][0-9]{0,8})([smhdw])")
+UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def parse_duration(text: str) -> timedelta:
+    """`90s`, `15m`, `12h`, `30d`, `2w`: a whole number and one unit."""
+    match = DURATION.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(
+            f"{text!r} is not a duration: write a whole number and a unit, s, m, h, d or w"
+            " (e.g. 90s, 12h, 30d)"
+        )
+    return timedelta(**{UNITS[match[2]]: int(match[1])})
 
 
 SECRET_PARAMETERS = ("password", "sslpassword")

@@ -41,6 +41,7 @@ TITLES = {
     "stale_attempt": "Stale attempt",
     "not_running": "Attempt not running",
     "ordinal_taken": "Ordinal taken",
+    "instance_active": "Instance has running steps",
     "instance_not_found": "Instance not found",
     "step_not_found": "Step not found",
     "constraint_violation": "Refused by the database",

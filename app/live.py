@@ -262,11 +262,13 @@ async def events(
                         reads, instance_key, position, pending if pending > covered else 0
                     )
                 except domain.InstanceNotFound:
-                    return
+                    return  # deleted: the stream ends
                 except DatabaseUnavailable as exc:
                     log.warning("stream of %s: read failed, trying again: %s", instance_key, exc)
                     read_at = now + RETRY_SECONDS
                 else:
+                    if changes.instance_id != first.instance_id:
+                        return  # deleted, and its key already taken by a new instance
                     if changes.caught_up:
                         covered = max(covered, pending)
             elif now >= last_sent + heartbeat:

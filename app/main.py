@@ -12,7 +12,7 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 from fastapi import FastAPI
 
-from app import docs, errors, live, observe, replica, routes, schemas, sweeper, ui
+from app import docs, errors, live, observe, pruning, replica, routes, schemas, sweeper, ui
 from app.access import AccessControl, Tokens
 from app.config import Settings
 from app.db import DatabaseUnavailable, Pool
@@ -97,6 +97,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             tasks.append(
                 asyncio.create_task(sweeper.keep_sweeping(primary, settings.sweep_seconds))
             )
+        if settings.retention is not None:
+            # At the sweeper's cadence (its default, when the sweeper is off).
+            every = settings.sweep_seconds or Settings.model_fields["sweep_seconds"].default
+            keep = pruning.keep_pruning(primary, every, settings.retention)
+            tasks.append(asyncio.create_task(keep))
         if read_url is not None:
             check = replica.keep_checking(
                 reads,

@@ -45,6 +45,10 @@ POOL = Gauge(
     multiprocess_mode="livesum",
 )
 READS = Counter("steprecord_reads_total", "Reads by the database that served them.", ["pool"])
+PRUNED = Counter(
+    "steprecord_pruned_instances",
+    "Instances deleted by the background pruner (STEPRECORD_RETENTION).",
+)
 REPLICA_LAG = Gauge(
     "steprecord_read_replica_lag_seconds",
     "How far the read replica is behind the primary, as last measured (+Inf: unreachable).",

@@ -131,6 +131,16 @@ def read_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     }
 
 
+def delete_responses() -> dict[int | str, dict[str, Any]]:
+    return {
+        204: {"description": "Deleted, with its records and their history"},
+        404: _problem("Instance not found"),
+        409: _problem("instance_active: a step is running (send force=true to delete anyway)"),
+        422: _problem("Invalid request"),
+        503: _problem("Database unavailable"),
+    }
+
+
 def stream_responses() -> dict[int | str, dict[str, Any]]:
     return {
         200: {

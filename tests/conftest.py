@@ -6,9 +6,10 @@ server; without it they start an embedded PostgreSQL in a temporary directory.
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -18,6 +19,7 @@ from playwright.sync_api import Browser
 from app.cli import migrate
 from app.embedded import EmbeddedPostgres
 from tests.helpers import (
+    Stream,
     chromium_browser,
     create_database,
     drop_database,
@@ -156,3 +158,18 @@ def browser() -> Iterator[Browser]:
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI needs the browser tests: {exc}")
         pytest.skip(str(exc))
+
+
+@pytest.fixture
+def open_stream(server_url: str) -> Iterator[Callable[..., Stream]]:
+    """Opens streams on the shared server; every one is closed after the test."""
+    opened: list[Stream] = []
+
+    def open_(instance: str = "order-1", **kwargs: Any) -> Stream:
+        stream = Stream(f"{server_url}/v1/instances/{instance}/stream", **kwargs)
+        opened.append(stream)
+        return stream
+
+    yield open_
+    for stream in opened:
+        stream.close()

@@ -24,23 +24,13 @@ from tests.helpers import (
     eventually,
     free_port,
     start_server,
+    steprecord,
     stop,
     wait_ready,
 )
 
 REFRESH = {"STEPRECORD_TOKEN_REFRESH_SECONDS": "0.5"}
 START = "/v1/instances/run-1/steps/a/start"
-
-
-def steprecord(database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args],
-        env={**os.environ, "DATABASE_URL": database_url},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def create_token(database_url: str, name: str, scope: str) -> str:

@@ -21,8 +21,17 @@ from app.cli import migrate
 from app.embedded import EmbeddedPostgres
 from app.live import MAX_BEHIND_SECONDS
 from app.replica import check_interval
-from tests.helpers import counter, eventually, make_replica, metric, metrics, start_server, stop
-from tests.test_stream import Event, Stream
+from tests.helpers import (
+    Event,
+    Stream,
+    counter,
+    eventually,
+    make_replica,
+    metric,
+    metrics,
+    start_server,
+    stop,
+)
 
 MAX_LAG = 1.0
 # The bound plus two checks, and a second for a busy machine.

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.helpers import counter, eventually, migrated_database, start_server, stop
-from tests.test_access import REFRESH, bearer, create_token, steprecord
+from tests.helpers import counter, eventually, migrated_database, start_server, steprecord, stop
+from tests.test_access import REFRESH, bearer, create_token
 
 
 @pytest.fixture

@@ -190,7 +190,24 @@
   var live = document.getElementById("live");
   var source = new EventSource(main.dataset.stream);
   source.onopen = function () { live.textContent = "live"; live.className = "live on"; };
-  source.onerror = function () { live.textContent = "reconnecting…"; live.className = "live"; };
+  source.onerror = function () {
+    if (source.readyState !== EventSource.CLOSED) {
+      live.textContent = "reconnecting…";
+      live.className = "live";
+      return;
+    }
+    // The stream was refused for good: the instance may have been deleted.
+    fetch(location.href, { credentials: "same-origin" }).then(function (answer) {
+      if (answer.status === 404) {
+        live.textContent = "deleted: this instance no longer exists";
+        live.className = "live gone";
+        main.classList.add("gone");
+      } else {
+        live.textContent = "not live: reload the page";
+        live.className = "live";
+      }
+    });
+  };
   source.addEventListener("record", function (event) {
     var rec;
     try { rec = JSON.parse(event.data); } catch (e) { return; }

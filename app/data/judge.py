@@ -47,7 +47,14 @@ APPLY_EVENT = (
 # concurrent creator of the step) aborts the whole statement, so nothing was written. In both
 # cases the next try sees the new row. A deadlock between two batches is retried the same way.
 MAX_TRIES = 5
-RACE_KEY = "uq_workflow_step_record_instance_id_step_slug"
+# A collision on the step's unique key, or a record whose instance was deleted meanwhile
+# (`DELETE /v1/instances/...`): the next try creates the record, or a new instance.
+RACE_KEYS = frozenset(
+    {
+        "uq_workflow_step_record_instance_id_step_slug",
+        "fk_workflow_step_record_instance_id_process_instance",
+    }
+)
 PARAMS = (
     "instance_key",
     "step_slug",
@@ -165,7 +172,7 @@ async def _apply_statement(
             continue
         except (psycopg.errors.IntegrityError, psycopg.errors.DataError) as exc:
             if isinstance(exc, psycopg.errors.IntegrityError) and (
-                exc.diag.constraint_name == RACE_KEY
+                exc.diag.constraint_name in RACE_KEYS
             ):
                 continue
             if len(pending) > 1:  # find which event was refused: one statement each

@@ -5,6 +5,11 @@
 
 from starlette.routing import BaseRoute
 
-from app.routes import events, operations, reads
+from app.routes import events, instances, operations, reads
 
-ROUTES: list[BaseRoute] = [*events.router.routes, *reads.router.routes, *operations.router.routes]
+ROUTES: list[BaseRoute] = [
+    *events.router.routes,
+    *reads.router.routes,
+    *instances.router.routes,
+    *operations.router.routes,
+]

@@ -1,0 +1,205 @@
+"""Deleting instances: one on request (`DELETE /v1/instances/{key}`), or every instance last
+written before a cutoff (`steprecord prune`, `STEPRECORD_RETENTION`).
+
+An instance goes with its records, in the same statement, and their history follows them by
+`ON DELETE CASCADE`.
+"""
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from app.data.common import RECORD
+from app.data.reads import ATTEMPT
+from app.db import AsyncConn
+from app.domain import InstanceNotFound
+
+# The instance is locked first (FOR UPDATE: a writer creating a step of it waits, and then
+# finds it gone), then its records (FOR UPDATE, in id order: a writer updating one finishes
+# first, and the check of what is running reads the newest versions). Without `force` an
+# instance with a running step stays; with it, it goes regardless.
+DELETE_INSTANCE = """
+WITH target AS (
+    SELECT p.id FROM process_instance p WHERE p.instance_key = %(instance_key)s FOR UPDATE
+),
+records AS (
+    SELECT r.status FROM workflow_step_record r JOIN target t ON r.instance_id = t.id
+    ORDER BY r.id
+    FOR UPDATE OF r
+),
+allowed AS (
+    SELECT t.id FROM target t
+    WHERE %(force)s OR NOT EXISTS (SELECT 1 FROM records WHERE status = 'running')
+),
+gone_records AS (
+    DELETE FROM workflow_step_record r USING allowed a WHERE r.instance_id = a.id
+),
+gone AS (
+    DELETE FROM process_instance p USING allowed a WHERE p.id = a.id RETURNING p.id
+),
+told AS (
+    SELECT pg_notify('steprecord_changes', gone.id::text) FROM gone
+)
+SELECT t.id,
+       (SELECT count(*) FROM records WHERE status = 'running') AS running,
+       (SELECT count(*) FROM told) AS deleted
+FROM target t
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Deletion:
+    deleted: bool  # False: the instance stays, it has running steps (and force was not given)
+    running: int  # its running steps when it was judged
+
+
+async def delete_instance(conn: AsyncConn, instance_key: str, *, force: bool) -> Deletion:
+    cur = await conn.execute(DELETE_INSTANCE, {"instance_key": instance_key, "force": force})
+    row = await cur.fetchone()
+    if row is None:
+        raise InstanceNotFound(instance_key)
+    return Deletion(deleted=row["deleted"] > 0, running=int(row["running"]))
+
+
+# --- pruning: every instance whose last write is before a cutoff -----------------------------
+
+# Candidates: instances created before the cutoff (an instance's last write is never before
+# its creation), walked in (created_at, id) order on their index, a batch at a time.
+CANDIDATES = """
+SELECT p.id, p.created_at FROM process_instance p
+WHERE p.created_at < %(cutoff)s AND (p.created_at, p.id) > (%(after_at)s, %(after_id)s)
+ORDER BY p.created_at, p.id
+LIMIT %(limit)s
+"""
+
+# A batch, judged under locks: the instances first (a writer creating a step of one waits),
+# then their records in id order (a writer updating one finishes first, and the check reads
+# the newest versions). An instance goes when its last write (its records' greatest
+# updated_at, else its own created_at) is before the cutoff, and, unless unfinished ones are
+# included, none of its records is pending or running. So an instance written after the
+# cutoff stays, even when it was selected as a candidate before that write.
+DUE = """
+WITH batch AS (
+    SELECT p.id, p.instance_key, p.created_at FROM process_instance p
+    WHERE p.id = ANY(%(ids)s)
+    ORDER BY p.id
+    FOR UPDATE
+),
+records AS (
+    SELECT r.instance_id, r.updated_at, r.status FROM workflow_step_record r
+    WHERE r.instance_id IN (SELECT id FROM batch)
+    ORDER BY r.id
+    FOR UPDATE
+),
+judged AS (
+    SELECT b.id, b.instance_key, b.created_at,
+           COALESCE((SELECT max(r.updated_at) FROM records r WHERE r.instance_id = b.id),
+                    b.created_at) AS last_write,
+           EXISTS (SELECT 1 FROM records r
+                   WHERE r.instance_id = b.id AND r.status IN ('pending', 'running'))
+               AS unfinished
+    FROM batch b
+)
+SELECT j.id, j.instance_key, j.created_at FROM judged j
+WHERE j.last_write < %(cutoff)s AND (%(include_unfinished)s OR NOT j.unfinished)
+ORDER BY j.id
+"""
+ARCHIVED_RECORDS = f"""
+SELECT r.instance_id, {RECORD.format(r="r")} FROM workflow_step_record r
+WHERE r.instance_id = ANY(%(ids)s)
+ORDER BY r.instance_id, r.ordinal
+"""
+ARCHIVED_ATTEMPTS = f"""
+SELECT a.record_id, {ATTEMPT} FROM workflow_step_attempt a
+WHERE a.instance_id = ANY(%(ids)s)
+ORDER BY a.record_id, a.attempt
+"""
+COUNTS = """
+SELECT (SELECT count(*) FROM workflow_step_record WHERE instance_id = ANY(%(ids)s)) AS records,
+       (SELECT count(*) FROM workflow_step_attempt WHERE instance_id = ANY(%(ids)s)) AS attempts
+"""
+DELETE_DUE = """
+WITH gone_records AS (
+    DELETE FROM workflow_step_record WHERE instance_id = ANY(%(ids)s)
+)
+DELETE FROM process_instance WHERE id = ANY(%(ids)s)
+"""
+# One pruner at a time across workers and service instances: each batch's transaction takes
+# this lock or skips the round.
+PRUNE_LOCK = "SELECT pg_try_advisory_xact_lock(hashtext('steprecord'), hashtext('prune')) AS got"
+DATABASE_NOW = "SELECT now() AS now"
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    """The instances of a batch that go, as the archive shows them, with what goes with them."""
+
+    instances: list[dict[str, Any]]  # instance_key, created_at, records (each with attempts)
+    ids: list[int]
+    records: int
+    attempts: int
+
+
+async def database_now(conn: AsyncConn) -> datetime:
+    cur = await conn.execute(DATABASE_NOW)
+    row = await cur.fetchone()
+    assert row is not None
+    return row["now"]  # type: ignore[no-any-return]
+
+
+async def candidates(
+    conn: AsyncConn, cutoff: datetime, after: tuple[datetime, int] | None, limit: int
+) -> list[dict[str, Any]]:
+    """The next candidates after `after` = (created_at, id) of the last one seen."""
+    after_at, after_id = after if after is not None else ("-infinity", 0)
+    params = {"cutoff": cutoff, "after_at": after_at, "after_id": after_id, "limit": limit}
+    cur = await conn.execute(CANDIDATES, params)
+    return await cur.fetchall()
+
+
+async def take_prune_lock(conn: AsyncConn) -> bool:
+    """Inside a transaction: whether this one is the pruner (until the transaction ends)."""
+    cur = await conn.execute(PRUNE_LOCK)
+    row = await cur.fetchone()
+    return bool(row and row["got"])
+
+
+async def lock_due(
+    conn: AsyncConn,
+    ids: list[int],
+    *,
+    cutoff: datetime,
+    include_unfinished: bool,
+    with_contents: bool,
+) -> Due:
+    """Inside a transaction: lock a batch and keep the instances that go (see `DUE`), with
+    their records and attempts as the API renders them when `with_contents`."""
+    params = {"ids": ids, "cutoff": cutoff, "include_unfinished": include_unfinished}
+    cur = await conn.execute(DUE, params)
+    due = await cur.fetchall()
+    due_ids = [row["id"] for row in due]
+    cur = await conn.execute(COUNTS, {"ids": due_ids})
+    counts = await cur.fetchone()
+    assert counts is not None
+    instances: list[dict[str, Any]] = []
+    if with_contents and due_ids:
+        by_id = {row["id"]: {**row, "records": []} for row in due}
+        records: dict[int, dict[str, Any]] = {}
+        cur = await conn.execute(ARCHIVED_RECORDS, {"ids": due_ids})
+        for record in await cur.fetchall():
+            owner = by_id[record.pop("instance_id")]
+            record["instance_key"] = owner["instance_key"]
+            record["attempts"] = []
+            records[record["id"]] = record
+            owner["records"].append(record)
+        cur = await conn.execute(ARCHIVED_ATTEMPTS, {"ids": due_ids})
+        for attempt in await cur.fetchall():
+            records[attempt.pop("record_id")]["attempts"].append(attempt)
+        instances = list(by_id.values())
+    return Due(instances, due_ids, int(counts["records"]), int(counts["attempts"]))
+
+
+async def delete_due(conn: AsyncConn, ids: list[int]) -> None:
+    """Inside the transaction that locked them: delete the instances with their records (the
+    history follows by cascade)."""
+    await conn.execute(DELETE_DUE, {"ids": ids})
