@@ -242,6 +242,16 @@ def batch_size(text: str) -> int:
     return int(text)
 
 
+def pause_ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number from 0 to 100")
+    return value
+
+
 def prune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """`steprecord prune`: bad input is refused (exit 2) before anything is read."""
     try:
@@ -290,6 +300,7 @@ async def _prune(
                 dry_run=args.dry_run,
                 archive=archive,
                 batch=args.batch_size,
+                pause=args.pause,
             )
         except pruning.ArchiveFailed as exc:
             print(exc, file=sys.stderr)
@@ -399,6 +410,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         default=pruning.BATCH,
         help="instances judged and deleted per transaction (1-10000)",
+    )
+    p_prune.add_argument(
+        "--pause",
+        type=pause_ratio,
+        metavar="RATIO",
+        default=pruning.PAUSE,
+        help="seconds paused between batches per second of work (1: deletes at most half the"
+        " time, leaving the writes room; 0: full speed)",
     )
     p_prune.add_argument(
         "--archive",

@@ -27,6 +27,9 @@ from app.serialize import attempt_json, dumps, record_json
 
 log = logging.getLogger("steprecord.pruning")
 BATCH = 200
+# Seconds a prune pauses between batches per second it worked on the last one: at 1 it works
+# at most half the time, so the writes it shares the database (and the CPUs) with keep room.
+PAUSE = 1.0
 ARCHIVE_SUFFIXES = (".jsonl", ".jsonl.gz")
 
 Connect = Callable[[], AbstractAsyncContextManager[AsyncConn]]
@@ -131,15 +134,18 @@ async def prune(
     archive: Archive | None = None,
     exclusive: bool = False,
     batch: int = BATCH,
+    pause: float = PAUSE,
 ) -> Pruned | None:
     """Delete (or with `dry_run` only count) every instance last written before `cutoff`.
 
     `exclusive`: one pruner at a time; another pruner's batch in progress makes this one
-    stop and answer None.
+    stop and answer None. `pause`: see `PAUSE`.
     """
     pruned = Pruned()
     after: tuple[datetime, int] | None = None
+    loop = asyncio.get_running_loop()
     while True:
+        began = loop.time()
         async with connect() as conn:
             found = await retention.candidates(conn, cutoff, after, batch)
             if not found:
@@ -168,6 +174,7 @@ async def prune(
         pruned.records += due.records
         pruned.attempts += due.attempts
         pruned.batches += 1
+        await asyncio.sleep((loop.time() - began) * pause)
 
 
 async def prune_finished(pool: Pool, keep: timedelta) -> int:
