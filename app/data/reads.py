@@ -12,6 +12,7 @@ from psycopg.rows import tuple_row
 from app.data.common import RECORD, with_key
 from app.db import AsyncConn
 from app.domain import InstanceNotFound, Order, Page, StepNotFound
+from app.serialize import RECORD_KEYS
 
 GET_STEP = f"""
 SELECT p.id AS instance_id, {RECORD.format(r="r")}
@@ -39,23 +40,8 @@ LIST_PAGE = (
     "SELECT * FROM steprecord_list_page($1::text, $2::text, $3::integer, $4::timestamptz,"
     " $5::bigint, $6::text[], $7::integer)"
 )
-PAGE_COLUMNS = (
-    "id",
-    "instance_key",
-    "step_slug",
-    "ordinal",
-    "status",
-    "attempt_count",
-    "output",
-    "external_output_url",
-    "started_at",
-    "completed_at",
-    "lease_expires_at",
-    "error_code",
-    "error_message",
-    "created_at",
-    "updated_at",
-)
+# The function answers the record's columns in the API's order (a test checks them).
+PAGE_COLUMNS = RECORD_KEYS
 
 
 async def list_steps(
