@@ -469,15 +469,7 @@ def trouble(log: str) -> list[str]:
 
 
 def machine(dsn: str, loadavg: tuple[float, float, float], wakeup_ms: float) -> list[str]:
-    model = "unknown CPU"
-    with suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute("SELECT version()").fetchone()
-    version = row[0] if row else "unknown"
+    model, version = run.cpu_and_postgres(dsn)
     loop = (
         f"event loop woken every {wakeup_ms:g} ms (HubWakeup)"
         if wakeup_ms > 0

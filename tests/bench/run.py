@@ -658,7 +658,8 @@ class Bench:
 # --- the report ------------------------------------------------------------------------------
 
 
-def machine(dsn: str) -> list[str]:
+def cpu_and_postgres(dsn: str) -> tuple[str, str]:
+    """The CPU's model name and the PostgreSQL server's version, for a report's header."""
     model = "unknown CPU"
     with suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -667,7 +668,11 @@ def machine(dsn: str) -> list[str]:
                 break
     with psycopg.connect(dsn) as conn:
         row = conn.execute("SELECT version()").fetchone()
-    version = row[0] if row else "unknown"
+    return model, row[0] if row else "unknown"
+
+
+def machine(dsn: str) -> list[str]:
+    model, version = cpu_and_postgres(dsn)
     wrk_version = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout
     pgbench_version = subprocess.run(["pgbench", "--version"], capture_output=True, text=True)
     return [
