@@ -45,6 +45,9 @@ ATTEMPT_STATUSES = ("running", "completed", "failed", "superseded")
 LEASED = "status = 'running' AND lease_expires_at IS NOT NULL"
 NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$"
 NAME_RE = re.compile(NAME_PATTERN)
+# A token's key prefix: the start of a key, 1 to 100 characters.
+PREFIX_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$"
+PREFIX_RE = re.compile(PREFIX_PATTERN)
 URL_PATTERN = "^[A-Za-z][A-Za-z0-9+.-]*://"
 MAX_OUTPUT_BYTES = 1024 * 1024
 MAX_MESSAGE_BYTES = 65536
@@ -276,6 +279,7 @@ class ApiToken(SQLModel, table=True):
         CheckConstraint(f"name ~ '{NAME_PATTERN}'", name="name_format"),
         CheckConstraint("scope IN ('read', 'write')", name="scope_known"),
         CheckConstraint("octet_length(token_sha256) = 32", name="token_sha256_size"),
+        CheckConstraint(f"key_prefix ~ '{PREFIX_PATTERN}'", name="key_prefix_format"),
     )
 
     id: int | None = Field(
@@ -284,6 +288,8 @@ class ApiToken(SQLModel, table=True):
     name: str = Field(sa_column=Column(Text, nullable=False))
     scope: str = Field(sa_column=Column(Text, nullable=False))
     token_sha256: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    # Only instances whose key starts with it exist for this token; None reaches them all.
+    key_prefix: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     created_at: datetime = Field(sa_column=_now())
     last_used_at: datetime | None = Field(
         default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
