@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app import docs, domain, ui
+from app import docs, domain, tenancy, ui
 from app.config import is_loopback
 from app.data import tokens
 from app.db import DatabaseUnavailable, Pool
@@ -63,6 +63,7 @@ class Grant:
     token_id: int
     scope: str
     digest: bytes
+    key_prefix: str | None  # only instances whose key starts with it exist for this token
 
 
 def _log_access(tokens: int, anonymous_allowed: bool) -> None:
@@ -102,7 +103,9 @@ class Tokens:
             rows = await tokens.active_tokens(conn)
             anonymous_allowed = await tokens.anonymous_allowed(conn)
         grants = {
-            bytes(r["token_sha256"]): Grant(r["id"], r["scope"], bytes(r["token_sha256"]))
+            bytes(r["token_sha256"]): Grant(
+                r["id"], r["scope"], bytes(r["token_sha256"]), r["key_prefix"]
+            )
             for r in rows
         }
         changed = self._grants is None or (
@@ -135,8 +138,11 @@ class Tokens:
             return None
         return grant.scope
 
-    def check(self, authorization: str | None, needed: str, *, direct: bool) -> Problem | None:
-        """None when the request may proceed, else the problem to answer with.
+    def check(
+        self, authorization: str | None, needed: str, *, direct: bool
+    ) -> Problem | Grant | None:
+        """The grant of the token presented, None for an anonymous request that may proceed,
+        or the problem to answer with.
 
         `direct`: the request reached a loopback address and names no proxy.
         """
@@ -172,7 +178,7 @@ class Tokens:
         if needed == "write" and grant.scope != "write":
             return Problem(403, "forbidden", "this token may only read")
         self._used.add(grant.token_id)
-        return None
+        return grant
 
 
 def _is_direct(scope: Scope, proxied: bool) -> bool:
@@ -206,7 +212,10 @@ class AccessControl:
         if authorization is None and cookie is not None and scope["method"] in COOKIE_METHODS:
             authorization = f"Bearer {cookie}"
         problem = tokens.check(authorization, needed, direct=_is_direct(scope, proxied))
-        if problem is None:
+        if not isinstance(problem, Problem):
+            grant = problem
+            if grant is not None and grant.key_prefix is not None:
+                tenancy.set_prefix(scope, grant.key_prefix)
             await self.app(scope, receive, send)
             return
         if problem.status == 401 and ui.asks_for_login(scope):

@@ -28,6 +28,7 @@ from app.config import Settings, is_loopback, parse_duration, redact
 from app.data import retention, tokens
 from app.embedded import EmbeddedPostgres
 from app.main import alembic_config, create_app
+from app.models import PREFIX_RE
 
 
 def openapi_json() -> str:
@@ -106,64 +107,96 @@ def serve(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     settings = Settings()
-    with database(settings) as url:
-        migrate(url)
-        public = not is_loopback(args.host) and not args.insecure_no_auth
-        if public and asyncio.run(_count_tokens(url)) == 0:
-            print(
-                f"refusing to listen on {args.host} with no access token: create one with\n"
-                "  steprecord token create NAME --scope write\n"
-                "or pass --insecure-no-auth to allow anonymous access until a token exists",
-                file=sys.stderr,
-            )
-            return 2
-        # The workers build their app from the environment.
-        os.environ["DATABASE_URL"] = url
-        os.environ["STEPRECORD_INSECURE_NO_AUTH"] = "1" if args.insecure_no_auth else "0"
-        metrics_dir = None
-        if args.workers > 1:
-            metrics_dir = tempfile.TemporaryDirectory(prefix="steprecord-metrics-")
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.name
-        try:
-            sock.listen()
-        except OSError as exc:
-            return cannot_listen(args.host, args.port, exc)
-        reads = settings.read_database_url
-        replica = (
-            "" if reads is None else f", reads from replica {redact(reads.get_secret_value())}"
-        )
-        print(
-            f"steprecord listening on http://{args.host}:{args.port}"
-            f" (workers: {args.workers}), database {redact(url)}{replica}",
-            file=sys.stderr,
-            flush=True,
-        )
-        config = uvicorn.Config(
-            "app.main:create_app",
-            factory=True,
-            host=args.host,
-            port=args.port,
-            workers=args.workers,
-            log_level="warning",
-            access_log=False,
-            timeout_graceful_shutdown=30,
-            # A worker answers the supervisor's health check only once it has imported the
-            # app; on a busy machine that takes longer than uvicorn's 5 s, and a worker
-            # killed for it is replaced by one just as slow, so none would ever start.
-            timeout_worker_healthcheck=60,
-        )
-        server = uvicorn.Server(config)
-        try:
+    listened = False
+    try:
+        with database(settings) as url:
+            migrate(url)
+            public = not is_loopback(args.host) and not args.insecure_no_auth
+            if public and asyncio.run(_count_tokens(url)) == 0:
+                print(
+                    f"refusing to listen on {args.host} with no access token: create one with\n"
+                    "  steprecord token create NAME --scope write\n"
+                    "or pass --insecure-no-auth to allow anonymous access until a token exists",
+                    file=sys.stderr,
+                )
+                return 2
+            # The workers build their app from the environment.
+            os.environ["DATABASE_URL"] = url
+            os.environ["STEPRECORD_INSECURE_NO_AUTH"] = "1" if args.insecure_no_auth else "0"
+            metrics_dir = None
             if args.workers > 1:
-                Multiprocess(config, sockets=[sock]).run()
-            else:
-                server.run(sockets=[sock])
-        except KeyboardInterrupt:
-            pass
-        finally:
-            if metrics_dir is not None:
-                metrics_dir.cleanup()
+                metrics_dir = tempfile.TemporaryDirectory(prefix="steprecord-metrics-")
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.name
+            try:
+                sock.listen()
+            except OSError as exc:
+                return cannot_listen(args.host, args.port, exc)
+            listened = True
+            print(_banner(args, settings, url), file=sys.stderr, flush=True)
+            config = uvicorn.Config(
+                "app.main:create_app",
+                factory=True,
+                host=args.host,
+                port=args.port,
+                workers=args.workers,
+                log_level="warning",
+                access_log=False,
+                timeout_graceful_shutdown=30,
+                # A worker answers the supervisor's health check only once it has imported the
+                # app; on a busy machine that takes longer than uvicorn's 5 s, and a worker
+                # killed for it is replaced by one just as slow, so none would ever start.
+                timeout_worker_healthcheck=60,
+            )
+            server = uvicorn.Server(config)
+            try:
+                if args.workers > 1:
+                    Multiprocess(config, sockets=[sock]).run()
+                else:
+                    server.run(sockets=[sock])
+            except KeyboardInterrupt:
+                pass
+            finally:
+                if metrics_dir is not None:
+                    metrics_dir.cleanup()
+    finally:
+        if listened:  # said once the server and the embedded PostgreSQL, if any, are done
+            embedded = (
+                "; the embedded PostgreSQL has stopped too" if not settings.database_url else ""
+            )
+            print(
+                f"steprecord stopped listening on {_url(args.host, args.port)}{embedded}",
+                file=sys.stderr,
+                flush=True,
+            )
     return 0 if args.workers > 1 or server.started else 3
+
+
+# A host that means every address is reached through this machine's loopback address.
+WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _banner(args: argparse.Namespace, settings: Settings, url: str) -> str:
+    """Where `serve` listens, on which database, and the pages to open."""
+    if settings.database_url is None:
+        # Its URL names port 5432, which is only the name of its socket file.
+        where = psycopg.conninfo.conninfo_to_dict(url).get("host")
+        database_ = f"the embedded PostgreSQL, listening on a Unix socket in {where} (no TCP port)"
+    else:
+        database_ = f"database {redact(url)}"
+    reads = settings.read_database_url
+    if reads is not None:
+        database_ += f", reads from replica {redact(reads.get_secret_value())}"
+    base = _url(WILDCARDS.get(args.host, args.host), args.port)
+    return (
+        f"steprecord listening on {_url(args.host, args.port)} (workers: {args.workers}),"
+        f" {database_}\n"
+        f"  dashboard: {base}/ui\n"
+        f"  API docs:  {base}/docs"
+    )
 
 
 async def _token(args: argparse.Namespace, url: str) -> int:
@@ -173,7 +206,9 @@ async def _token(args: argparse.Namespace, url: str) -> int:
         if args.action == "create":
             token, digest = new_token()
             try:
-                await tokens.create_token(conn, args.name, args.scope, digest)
+                ended_anonymous = await tokens.create_token(
+                    conn, args.name, args.scope, digest, args.prefix
+                )
             except domain.ConstraintViolation as exc:
                 print(
                     f"cannot create token {args.name!r}: {_refusal(exc, args.name)}",
@@ -181,15 +216,21 @@ async def _token(args: argparse.Namespace, url: str) -> int:
                 )
                 return 1
             print(token)
+            reach = "" if args.prefix is None else f" for instances starting {args.prefix!r}"
             print(
-                f"created {args.scope} token {args.name!r}; it is shown only once", file=sys.stderr
+                f"created {args.scope} token {args.name!r}{reach}; it is shown only once",
+                file=sys.stderr,
             )
+            if ended_anonymous:
+                print(FIRST_TOKEN, file=sys.stderr)
         elif args.action == "list":
             for row in await tokens.list_tokens(conn):
                 used = row["last_used_at"].isoformat() if row["last_used_at"] else "never"
+                prefix = row["key_prefix"]
+                reach = "all instances" if prefix is None else f"prefix {prefix}"
                 print(
-                    f"{row['name']}\t{row['scope']}\tcreated {row['created_at'].isoformat()}"
-                    f"\tlast used {used}"
+                    f"{row['name']}\t{row['scope']}\t{reach}"
+                    f"\tcreated {row['created_at'].isoformat()}\tlast used {used}"
                 )
             print(USE_RECORDED.format(seconds=Settings().token_refresh_seconds), file=sys.stderr)
         elif args.action == "allow-anonymous":
@@ -223,6 +264,13 @@ async def _token(args: argparse.Namespace, url: str) -> int:
     return 0
 
 
+FIRST_TOKEN = (
+    "this is the first token: anonymous access has ended, so curl on localhost and the"
+    " dashboard now need a token too.\n"
+    "  curl:      curl -H 'Authorization: Bearer <token>' http://127.0.0.1:8000/v1/instances\n"
+    "  dashboard: open /ui and paste a token on its sign-in page (a read token is enough)\n"
+    "  client:    Recorder(url, token='<token>')"
+)
 USE_RECORDED = (
     "each worker records use every {seconds:g} s: a use shows up in `last used` within that"
 )
@@ -233,7 +281,21 @@ def _refusal(exc: domain.ConstraintViolation, name: str) -> str:
         return f"a token of that name exists (revoke it with: steprecord token revoke {name})"
     if exc.constraint == "ck_api_token_name_format":
         return "a name is 1-200 characters of [A-Za-z0-9._:-], starting with a letter or digit"
+    if exc.constraint == "ck_api_token_key_prefix_format":
+        return PREFIX_RULE
     return f"refused by {exc.constraint}"
+
+
+PREFIX_RULE = (
+    "a prefix is 1-100 characters of [A-Za-z0-9._:-], starting with a letter or digit"
+    " (the start of an instance key)"
+)
+
+
+def key_prefix(text: str) -> str:
+    if not PREFIX_RE.fullmatch(text):
+        raise argparse.ArgumentTypeError(PREFIX_RULE)
+    return text
 
 
 def batch_size(text: str) -> int:
@@ -378,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     p_create = actions.add_parser("create", help="print a new token (once) and store its hash")
     p_create.add_argument("name")
     p_create.add_argument("--scope", choices=SCOPES, required=True)
+    p_create.add_argument(
+        "--prefix",
+        type=key_prefix,
+        help="reach only the instances whose key starts with PREFIX (others do not exist for"
+        " this token); without it, every instance",
+    )
     actions.add_parser(
         "list",
         help="names, scopes and times, never the tokens; a use shows up within"

@@ -53,11 +53,26 @@ class Settings(BaseSettings):
     # Finished instances last written longer ago than this are deleted in the background
     # (`30d`, `12h`); unset: kept forever.
     retention: timedelta | None = None
+    # The dashboard links each attempt to its trace: a URL template containing `{trace_id}`
+    # (e.g. `https://jaeger.example/trace/{trace_id}`); unset: the trace id shown as text.
+    trace_url: str | None = None
 
     @field_validator("retention", mode="before")
     @classmethod
     def _duration(cls, value: object) -> object:
         return parse_duration(value) if isinstance(value, str) and value.strip() else None
+
+    @field_validator("trace_url")
+    @classmethod
+    def _trace_template(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        if "{trace_id}" not in value:
+            raise ValueError(
+                f"{value!r} has no {{trace_id}}: write the URL of a trace with {{trace_id}} where"
+                " its id goes, e.g. https://jaeger.example/trace/{trace_id}"
+            )
+        return value.strip()
 
 
 DURATION = re.compile(r"([1-9][0-9]{0,8})([smhdw])")

@@ -11,12 +11,15 @@ with `query_canceled` and the connection goes back to the pool. The bound needs 
 setting, no startup parameter and no extra round trip, so it holds behind PgBouncer in
 transaction mode as well. A server that does not even answer the cancel within
 `CANCEL_GRACE` seconds is treated as lost.
+
+While tracing is on (app/tracing.py), a request's use of a connection, from waiting for it
+to giving it back, is a client span of the request's span.
 """
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import psycopg
@@ -24,6 +27,8 @@ from psycopg.rows import dict_row
 from psycopg.types.array import ListBinaryDumper
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.pool import NullPool
+
+from app import tracing
 
 AsyncConn = psycopg.AsyncConnection[dict[str, Any]]
 
@@ -50,8 +55,10 @@ class Pool:
         statement_timeout: float,
         prepare_threshold: int | None,
         on_change: Callable[[str, int], None] | None = None,
+        tracer: tracing.Tracer | None = None,
     ) -> None:
         self._on_change = on_change
+        self._tracer = tracer
         self._conninfo = conninfo
         self._timeout = timeout
         self._statement_timeout = statement_timeout
@@ -88,9 +95,21 @@ class Pool:
             asyncio.get_running_loop().create_task(conn.close())
         return None
 
+    def connection(
+        self, *, wait: bool = True, name: str | Callable[..., Any] | None = None
+    ) -> AbstractAsyncContextManager[AsyncConn]:
+        """A connection; `wait=False`: `PoolExhausted` at once when none is free now.
+
+        While tracing, a request's use of it is a span called `name` (the data function it
+        runs, or the function whose name it takes: `tracing.name_of`)."""
+        if self._tracer is None:  # the one check tracing costs when it is off
+            return self._connection(wait)
+        failures = (DatabaseUnavailable, psycopg.Error)
+        connection = self._connection(wait)
+        return tracing.database_call(self._tracer, connection, name, self._conninfo, failures)
+
     @asynccontextmanager
-    async def connection(self, *, wait: bool = True) -> AsyncIterator[AsyncConn]:
-        """A connection; `wait=False`: `PoolExhausted` at once when none is free now."""
+    async def _connection(self, wait: bool) -> AsyncIterator[AsyncConn]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout  # waiting for a slot and connecting, together
         if not self._slots.locked():

@@ -1,11 +1,15 @@
 """One error shape: RFC 9457 problem+json with a stable `code`; the exception carries its status."""
 
+import difflib
+import re
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.routing import Route, compile_path
 
 from app.db import DatabaseUnavailable
 from app.domain import (
@@ -148,10 +152,17 @@ async def _handle_http(request: Request, exc: Exception) -> Response:
         if b"%2f" in request.scope.get("raw_path", b"").lower():
             message = "instance keys and step slugs may not contain /"
             return validation_problem([{"field": "path", "message": message}]).response()
-        return Problem(404, "not_found", f"no route for {request.url.path}").response()
+        detail = f"no route for {request.url.path}: {nearest_route(request)}"
+        return Problem(404, "not_found", detail).response()
     if exc.status_code == 405:
-        allow = (exc.headers or {}).get("Allow", "")
-        problem = Problem(405, "method_not_allowed", f"{request.method} is not allowed here")
+        # Every route of the path, where Starlette names the first one's methods only.
+        methods = allowed_methods(request)
+        allow = ", ".join(methods) or (exc.headers or {}).get("Allow", "")
+        detail = f"{request.method} is not allowed on {request.url.path}"
+        shown = _shown(methods)
+        if shown:
+            detail += f": use {' or '.join(shown)}"
+        problem = Problem(405, "method_not_allowed", detail)
         return problem.response({"Allow": allow} if allow else None)
     code = {401: "unauthorized", 403: "forbidden", 413: "payload_too_large"}.get(
         exc.status_code, "error"
@@ -159,6 +170,55 @@ async def _handle_http(request: Request, exc: Exception) -> Response:
     return Problem(exc.status_code, code, str(exc.detail)).response(
         dict(exc.headers) if exc.headers else None
     )
+
+
+# How much of an unknown path is compared with the routes (difflib takes quadratic time).
+MAX_COMPARED = 300
+PARAMETER = re.compile(r"\{[^}]*\}")
+
+
+def route_methods(app: Any) -> dict[str, set[str]]:
+    """The app's path templates, each with the methods of its routes (mounts have none)."""
+    methods: dict[str, set[str]] = {}
+    for route in app.routes:
+        if isinstance(route, Route) and route.methods:
+            methods.setdefault(route.path, set()).update(route.methods)
+    return methods
+
+
+def _shown(methods: Iterable[str]) -> list[str]:
+    """Methods as advice: HEAD goes without saying beside GET."""
+    listed = sorted(methods)
+    return [m for m in listed if m != "HEAD"] or listed
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """The methods of every route whose template matches the request's path."""
+    found: set[str] = set()
+    for template, methods in route_methods(request.app).items():
+        if compile_path(template)[0].match(request.url.path):
+            found |= methods
+    return sorted(found)
+
+
+def nearest_route(request: Request) -> str:
+    """The route of the app nearest to an unknown path, as advice: each route's template with
+    the path's own segments in place of its parameters, compared with difflib."""
+    methods = route_methods(request.app)
+    path = request.url.path[:MAX_COMPARED]
+    given = path.split("/")
+    filled = {
+        "/".join(
+            given[i] if i < len(given) and PARAMETER.fullmatch(part) else part
+            for i, part in enumerate(template.split("/"))
+        ): template
+        for template in methods
+    }
+    close = difflib.get_close_matches(path, list(filled), n=1, cutoff=0.6)
+    if not close:
+        return "see /docs for every route"
+    template = filled[close[0]]
+    return f"did you mean {' or '.join(_shown(methods[template]))} {template}? (every route: /docs)"
 
 
 async def _handle_validation(request: Request, exc: Exception) -> Response:

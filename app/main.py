@@ -12,7 +12,7 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 from fastapi import FastAPI
 
-from app import docs, errors, live, observe, pruning, replica, routes, schemas, sweeper, ui
+from app import docs, errors, live, observe, pruning, replica, routes, schemas, sweeper, tracing, ui
 from app.access import AccessControl, Tokens
 from app.config import Settings
 from app.db import DatabaseUnavailable, Pool
@@ -55,6 +55,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.database_url is None:
             raise RuntimeError("DATABASE_URL is not set (`steprecord serve` sets it for you)")
         primary_url = settings.database_url.get_secret_value()
+        # Tracing on: this worker exports its spans from now until it stops (app/tracing.py).
+        tracer = None if provider is None else tracing.start(provider)
 
         def pool(conninfo: str, name: str) -> Pool:
             return Pool(
@@ -64,6 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 statement_timeout=settings.statement_timeout,
                 prepare_threshold=settings.prepare_threshold,
                 on_change=functools.partial(observe.pool_changed, name),
+                tracer=tracer,
             )
 
         primary = pool(primary_url, "primary")
@@ -121,6 +124,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await asyncio.gather(*tasks, return_exceptions=True)
             await reads.close()
             await primary.close()
+            if provider is not None:
+                await tracing.stop(provider)
 
     app = FastAPI(
         title="steprecord",
@@ -133,9 +138,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     docs.install(app)
     ui.install(app)
+    app.state.trace_url = settings.trace_url  # the dashboard's links to traces
     errors.install(app)
     app.add_middleware(AccessControl)
     app.add_middleware(Observe)
+    # Server spans, outside every other middleware, only when tracing is on.
+    app.state.tracing = provider = tracing.instrument(app)
     observe.configure_logging()
 
     def openapi() -> dict[str, Any]:

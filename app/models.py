@@ -242,6 +242,11 @@ class WorkflowStepAttempt(SQLModel, table=True):
                 " AND error_code IS NULL AND error_message IS NULL",
             }
         ),
+        # A W3C trace id: 32 lowercase hex digits, not all zeros (the invalid id).
+        CheckConstraint(
+            "trace_id ~ '^[0-9a-f]{32}$' AND trace_id <> '00000000000000000000000000000000'",
+            name="trace_id_format",
+        ),
     )
 
     id: int | None = Field(
@@ -267,6 +272,16 @@ class WorkflowStepAttempt(SQLModel, table=True):
     )
     created_at: datetime = Field(sa_column=_now())
     updated_at: datetime = Field(sa_column=_now())
+    # The W3C trace id of the event that started the attempt: the judge's functions set
+    # `steprecord.trace_id` for their call, and the row takes it when first written.
+    trace_id: str | None = Field(
+        default=None,
+        sa_column=Column(
+            Text,
+            nullable=True,
+            server_default=text("nullif(current_setting('steprecord.trace_id', true), '')"),
+        ),
+    )
 
 
 class ApiToken(SQLModel, table=True):

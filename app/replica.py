@@ -67,7 +67,7 @@ class ReadPool:
         it stays in use, and this one read goes to the primary without waiting)."""
         if self.replica is not None and self.healthy:
             try:
-                async with self.replica.connection(wait=False) as conn:
+                async with self.replica.connection(wait=False, name=work) as conn:
                     result = await work(conn)
             except PoolExhausted:
                 pass
@@ -80,7 +80,7 @@ class ReadPool:
 
     async def on_primary(self, work: Callable[[AsyncConn], Awaitable[T]]) -> T:
         """`work` on the primary, whatever the replica's state."""
-        async with self.primary.connection() as conn:
+        async with self.primary.connection(name=work) as conn:
             result = await work(conn)
         observe.count_read("primary")
         return result

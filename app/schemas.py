@@ -42,6 +42,10 @@ class Attempt(BaseModel):
     external_output_url: str | None
     error_code: str | None
     error_message: str | None = None
+    trace_id: str | None = Field(
+        description="The W3C trace id of the request that started the attempt; null when"
+        " it had none"
+    )
     created_at: str
     updated_at: str
 
@@ -65,14 +69,8 @@ class Instance(BaseModel):
     step_counts: StepCounts
 
 
-class InstanceItem(BaseModel):
-    id: int
-    instance_key: str
-    created_at: str
-
-
 class InstancePage(BaseModel):
-    items: list[InstanceItem]
+    items: list[Instance]
     next_cursor: str | None
 
 
@@ -141,15 +139,45 @@ def delete_responses() -> dict[int | str, dict[str, Any]]:
     }
 
 
+# One event of the stream, as a Server-Sent Events parser reads its fields. OpenAPI 3.1 has no
+# keyword for the items of a stream (3.2's `itemSchema`, which the client generators do not
+# read yet), so `schema` describes each event, as schemathesis reads it for 3.0 and 3.1; `data`
+# is a string holding the record's JSON (`contentMediaType`, `contentSchema`).
+STREAM_EVENT: dict[str, Any] = {
+    "title": "RecordEvent",
+    "type": "object",
+    "required": ["event", "id", "data"],
+    "additionalProperties": False,
+    "properties": {
+        "event": {"type": "string", "const": "record", "description": "The only event sent"},
+        "id": {
+            "type": "string",
+            "pattern": "^[0-9]{1,20}-[0-9]{1,19}$",
+            "description": "Send it back as `Last-Event-ID` (or `?last_event_id=`) to resume"
+            " after this event",
+        },
+        "data": {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "contentSchema": {"$ref": "#/components/schemas/Record"},
+            "description": "The record's JSON, as GET .../steps/{step_slug} renders it",
+        },
+    },
+    "description": "One `record` event per record: every record as it stands, then one per"
+    " applied write (never for a replay or a refusal). An idle stream gets `: keepalive`"
+    " comments, which are no events; the stream ends when the instance is deleted.",
+}
+
+
 def stream_responses() -> dict[int | str, dict[str, Any]]:
     return {
         200: {
             "content": {
                 "text/event-stream": {
+                    # A component (by `hoist_defs`), so that generators name it.
                     "schema": {
-                        "type": "string",
-                        "description": "`event: record`, `id: <event id>`, `data: <a record"
-                        " as GET .../steps/{step_slug} renders it>`; `: keepalive` comments",
+                        "$ref": "#/$defs/RecordEvent",
+                        "$defs": {"RecordEvent": STREAM_EVENT},
                     }
                 }
             },
@@ -273,6 +301,11 @@ def with_security(document: dict[str, Any]) -> dict[str, Any]:
                 "401", {"description": "Missing or unknown token", "content": problem}
             )
             responses.setdefault(
-                "403", {"description": "The token's scope is too narrow", "content": problem}
+                "403",
+                {
+                    "description": "The token's scope is too narrow (`forbidden`), or a write"
+                    " names an instance outside the token's key prefix (`outside_prefix`)",
+                    "content": problem,
+                },
             )
     return document

@@ -165,6 +165,7 @@ ATTEMPT_KEYS = (
     "external_output_url",
     "error_code",
     "error_message",
+    "trace_id",
     "created_at",
     "updated_at",
 )

@@ -19,7 +19,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader
 from starlette.types import Scope
 
-from app import cursors, domain, static
+from app import cursors, domain, static, tenancy
 from app.data import dashboard, reads
 from app.db import AsyncConn
 from app.errors import Problem
@@ -135,6 +135,12 @@ def mark(status: str, error_code: str | None = None) -> str:
     return "swept" if status == "failed" and error_code == "lease_expired" else status
 
 
+def trace_link(template: str | None, trace_id: str) -> str | None:
+    """The link to an attempt's trace: STEPRECORD_TRACE_URL with the id in place of
+    `{trace_id}` (URL-escaped); None without a template (the id is then shown as text)."""
+    return None if template is None else template.replace("{trace_id}", quote(trace_id, safe=""))
+
+
 def path(*parts: str) -> str:
     return "/ui/" + "/".join(quote(part, safe="") for part in parts)
 
@@ -150,7 +156,7 @@ ENV.filters.update(
 )
 ENV.globals.update(
     CSS=CSS, JS=JS, LOGOUT=LOGOUT, LOGIN=LOGIN, GLYPHS=GLYPHS, link_url=link_url, mark=mark,
-    path=path, took=took, ago=ago,
+    path=path, took=took, ago=ago, trace_link=trace_link,
 )  # fmt: skip
 
 
@@ -303,7 +309,7 @@ def timeline(instance_key: str, records: list[dict[str, Any]], now: datetime) ->
 async def instances_page(request: Request) -> Response:
     query = request.query_params
     status = query.get("status") or None
-    has: dashboard.Trouble | None = "failed" if status == "failed" else None
+    has: reads.Trouble | None = "failed" if status == "failed" else None
     if status == "running":
         has = "running"
     prefix = (query.get("prefix") or "").strip() or None
@@ -322,14 +328,12 @@ async def instances_page(request: Request) -> Response:
             errors.append("That page link is no longer valid: start from the first page.")
     items: list[dict[str, Any]] = []
     last = None
-    if not errors:
+    # A token with a key prefix sees its instances only, whatever the filter asks.
+    reachable, within = tenancy.narrow(tenancy.prefix_of(request.scope), prefix)
+    if reachable and not errors:
         async with read_connection(request) as conn:
-            items, last = await dashboard.list_instances_with_counts(
-                conn,
-                prefix=prefix,
-                has=has,
-                before=before,
-                limit=PAGE_SIZE,
+            items, last = await reads.list_instances(
+                conn, prefix=within, has=has, before=before, limit=PAGE_SIZE
             )
     next_query = None
     if last is not None:
@@ -360,6 +364,7 @@ async def instance_page(request: Request, instance_key: str) -> Response:
         return not_found(request, "No instance has that key.")
     async with read_connection(request) as conn:
         try:
+            tenancy.check_read(request.scope, instance_key)
             instance = await reads.get_instance(conn, instance_key)
         except domain.InstanceNotFound:
             return not_found(request, f"No instance has the key {instance_key!r}.")
@@ -384,6 +389,7 @@ async def step_page(request: Request, instance_key: str, step_slug: str) -> Resp
         return not_found(request, "No step has that name.")
     async with read_connection(request) as conn:
         try:
+            tenancy.check_read(request.scope, instance_key)
             record = await reads.get_step(conn, instance_key, step_slug)
             page = await reads.list_attempts(
                 conn, instance_key, step_slug, after=None, limit=MAX_STEPS
@@ -399,6 +405,7 @@ async def step_page(request: Request, instance_key: str, step_slug: str) -> Resp
         record=record,
         attempts=page.items,
         more=page.last is not None,
+        trace_url=request.app.state.trace_url,
     )
 
 
@@ -444,13 +451,29 @@ def _safe_next(target: str | None) -> str:
 
 
 def login_page(
-    scope: Scope, message: str | None, status: int = 401, target: str | None = None
+    scope: Scope, detail: str | None, status: int = 401, target: str | None = None
 ) -> HTMLResponse:
-    """The form asking for a read token; after it, the browser returns to `target` (by default
-    the page that was refused)."""
+    """A dashboard page refused for want of a token: the form asking for one, then back to
+    the page. `detail` is the refusal's wording for programs, "what to send; why": the page
+    tells a person what to do instead, and shows only the why."""
     if target is None:
         query = scope.get("query_string", b"").decode("latin-1")
         target = scope["path"] + (f"?{query}" if query else "")
+    kept = any(
+        name == b"cookie" and token_from_cookie(value.decode("latin-1")) is not None
+        for name, value in scope["headers"]
+    )
+    reason = (detail or "").partition("; ")[2]
+    message = None
+    if kept:
+        message = "The token this browser kept is unknown or revoked: paste a current one."
+    elif reason:
+        message = f"{reason[0].upper()}{reason[1:]}."
+    return _login_form(message, status, target)
+
+
+def _login_form(message: str | None, status: int, target: str | None) -> HTMLResponse:
+    """The form asking for a read token; after it, the browser goes to `target`."""
     return render(
         None, "login.html", status, title="Sign in", message=message, next=_safe_next(target)
     )
@@ -467,7 +490,7 @@ def token_from_cookie(header: str) -> str | None:
 
 @router.get(LOGIN)
 async def login_form(request: Request) -> Response:
-    return login_page(request.scope, None, 200, target=request.query_params.get("next"))
+    return _login_form(None, 200, request.query_params.get("next"))
 
 
 @router.post(LOGIN)
@@ -476,13 +499,13 @@ async def login(request: Request) -> Response:
     async for chunk in request.stream():
         body += chunk
         if len(body) > MAX_LOGIN_BYTES:
-            return login_page(request.scope, "That is not a token.", 413, target="/ui")
+            return _login_form("That is not a token.", 413, "/ui")
     form = parse_qs(body.decode("utf-8", "replace"))
     token = (form.get("token") or [""])[0].strip()
     target = _safe_next((form.get("next") or [""])[0])
     scope = request.app.state.tokens.scope_of(token) if token else None
     if scope is None:
-        return login_page(request.scope, "That token is unknown or revoked.", target=target)
+        return _login_form("That token is unknown or revoked.", 401, target)
     response = RedirectResponse(target, status_code=303)
     response.set_cookie(
         COOKIE,
@@ -506,4 +529,6 @@ async def logout(request: Request) -> Response:
 
 def install(app: FastAPI) -> None:
     static.mount(app, "ui", ASSETS)
-    app.include_router(router)
+    # The routes themselves, not an included router: every route of the app is then one entry
+    # of `app.routes` (the unknown-route advice in app/errors.py reads them).
+    app.router.routes.extend(router.routes)

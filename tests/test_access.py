@@ -1,6 +1,5 @@
 """Bearer tokens and anonymous access, on a server and database of these tests' own."""
 
-import json
 import os
 import socket
 import subprocess
@@ -19,6 +18,7 @@ from app.cli import migrate
 from app.main import alembic_config
 from tests.helpers import (
     ROOT,
+    access_loaded,
     create_database,
     drop_database,
     eventually,
@@ -47,18 +47,8 @@ LOGS: dict[str, Path] = {}  # the shared server's stdout, by its URL
 
 def reloaded(url: str, tokens: int, *, anonymous: bool = False) -> None:
     """Wait until every worker of the shared server has loaded `tokens` active tokens and the
-    access policy: each worker logs a line whenever its view of access changes, so its last
-    such line is what it now enforces."""
-
-    def loaded() -> bool:
-        latest: dict[int, tuple[int, bool]] = {}
-        for line in LOGS[url].read_text().splitlines():
-            entry = json.loads(line) if line.startswith("{") else {}
-            if "active_tokens" in entry:
-                latest[entry["worker"]] = (entry["active_tokens"], entry["anonymous_allowed"])
-        return len(latest) == WORKERS and set(latest.values()) == {(tokens, anonymous)}
-
-    eventually(loaded)
+    access policy."""
+    eventually(lambda: access_loaded(LOGS[url], WORKERS, tokens, anonymous=anonymous))
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +119,24 @@ def test_first_token_ends_anonymous_access(server: tuple[str, str]) -> None:
     assert refused.headers["www-authenticate"].startswith("Bearer")
     assert refused.json()["code"] == "unauthorized"
     assert httpx.post(url + START, headers=bearer(token)).status_code == 200
+
+
+def test_creating_the_first_token_says_how_to_send_it_from_now_on(
+    server: tuple[str, str],
+) -> None:
+    _, database_url = server
+    first = steprecord(database_url, "token", "create", "first", "--scope", "write")
+    assert first.returncode == 0, first.stderr
+    assert "anonymous access has ended" in first.stderr
+    assert "curl -H 'Authorization: Bearer <token>'" in first.stderr
+    assert "paste a token on its sign-in page" in first.stderr
+    second = steprecord(database_url, "token", "create", "second", "--scope", "read")
+    assert second.returncode == 0, second.stderr
+    assert "anonymous" not in second.stderr
+    for name in ("first", "second"):
+        assert steprecord(database_url, "token", "revoke", name).returncode == 0
+    third = steprecord(database_url, "token", "create", "third", "--scope", "read")
+    assert "anonymous" not in third.stderr  # it had already ended: revoking did not reopen it
 
 
 def test_scopes_and_unknown_tokens(server: tuple[str, str]) -> None:

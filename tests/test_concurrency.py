@@ -90,7 +90,8 @@ def declare_overlapping_new_instances(database_url: str, callers: int = 6, round
                 columns += [["declare"] * n] + [[None] * n for _ in range(9)]
                 barrier.wait()
                 try:
-                    psycopg.RawCursor(conn).execute(judge.APPLY_EVENTS, columns)
+                    # The columns, then the trace id (none).
+                    psycopg.RawCursor(conn).execute(judge.APPLY_EVENTS, [*columns, None])
                 except psycopg.errors.DeadlockDetected:
                     deadlocks.append(round_)
 

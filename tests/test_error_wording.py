@@ -7,18 +7,31 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 from fastapi.routing import APIRoute
 from pydantic import AliasChoices
 from steprecord_client import Recorder, StepRecordError
 
+from app.access import new_token
 from app.cli import main
 from app.config import Settings
 from app.main import create_app
-from tests.helpers import ROOT, T1, post, problem, step_path
+from tests.helpers import (
+    ROOT,
+    T1,
+    free_port,
+    post,
+    problem,
+    start_server,
+    step_path,
+    stop,
+    wait_ready,
+)
 
 
 @pytest.fixture
@@ -229,3 +242,235 @@ def test_every_api_route_refuses_a_query_parameter_it_does_not_declare(
             found = problem(response, 422, "validation_error")
             assert [e["field"] for e in found["errors"]] == ["bogus"], (method, path)
     assert client.get("/v1/instances").json()["items"] == []
+
+
+# --- first use: the next layer ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["complete", "fail"])
+def test_not_started_says_to_send_started_at_or_call_start_first(
+    client: httpx.Client, kind: str
+) -> None:
+    post(client, "declare")
+    body = {"attempt": 1, "error_code": "E"} if kind == "fail" else {"attempt": 1}
+    found = problem(post(client, kind, body), 409, "not_started")
+    assert found["detail"] == (
+        f"attempt 1 has no start to {kind}: send started_at with this {kind}, or call start first"
+    )
+    event = {"instance_key": "order-1", "step_slug": "charge", "kind": kind, **body}
+    assert batch_problem(client, event)["detail"] == found["detail"]
+
+
+def test_a_heartbeat_without_a_start_says_to_call_start_first(client: httpx.Client) -> None:
+    heartbeat = post(client, "heartbeat", {"attempt": 1, "lease_seconds": 60})
+    detail = problem(heartbeat, 409, "not_started")["detail"]
+    assert "call start first" in detail
+    assert "started_at" not in detail  # a heartbeat carries none
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [
+        ("GET", "/v1/events", "POST"),
+        ("PUT", "/v1/instances/order-1", "DELETE or GET"),
+        ("GET", "/v1/instances/order-1/steps/charge/start", "POST"),
+    ],
+)
+def test_method_not_allowed_names_the_allowed_methods(
+    client: httpx.Client, method: str, path: str, allowed: str
+) -> None:
+    response = client.request(method, path)
+    found = problem(response, 405, "method_not_allowed")
+    assert found["detail"] == f"{method} is not allowed on {path}: use {allowed}"
+    assert {m.strip() for m in response.headers["allow"].split(",")} == set(allowed.split(" or "))
+
+
+def _misspelt(template: str) -> str:
+    """The route's path, for order-1 and charge, with its last fixed word misspelt."""
+    parts = template.split("/")
+    last = max(i for i, part in enumerate(parts) if part and not part.startswith("{"))
+    parts[last] += parts[last][-1]
+    return "/".join(parts).format(instance_key="order-1", step_slug="charge")
+
+
+def test_an_unknown_route_suggests_the_nearest_of_the_apps_routes(client: httpx.Client) -> None:
+    routes = [r for r in create_app().routes if isinstance(r, APIRoute) and r.include_in_schema]
+    methods: dict[str, set[str]] = {}
+    for route in routes:
+        methods.setdefault(route.path, set()).update(route.methods or ())
+    assert len(methods) >= 10
+    for template, allowed in methods.items():
+        path = _misspelt(template)
+        found = problem(client.get(path), 404, "not_found")
+        assert found["detail"] == (
+            f"no route for {path}: did you mean {' or '.join(sorted(allowed))} {template}?"
+            " (every route: /docs)"
+        )
+
+
+@pytest.mark.parametrize(
+    ("path", "suggested"),
+    [
+        ("/v1/instances/order-1/step", "GET /v1/instances/{instance_key}/steps"),
+        ("/v1/instance/order-1/steps/charge", "GET /v1/instances/{instance_key}/steps/{step_slug}"),
+        ("/v1/event", "POST /v1/events"),
+        ("/ui/instance/order-1", "GET /ui/instances/{instance_key}"),
+        ("/healtz", "GET /healthz"),
+    ],
+)
+def test_a_typo_in_a_path_gets_the_route_meant(
+    client: httpx.Client, path: str, suggested: str
+) -> None:
+    found = problem(client.get(path), 404, "not_found")
+    assert f"did you mean {suggested}?" in found["detail"]
+
+
+def test_a_path_like_no_route_points_to_the_docs(client: httpx.Client) -> None:
+    for path in ("/completely/elsewhere/entirely", "/" + "zq/" * 3000):
+        found = problem(client.get(path), 404, "not_found")
+        assert found["detail"].endswith(": see /docs for every route")
+
+
+def test_a_body_too_large_says_what_to_do_for_an_event_and_for_a_batch(
+    client: httpx.Client,
+) -> None:
+    event = b'{"output": "' + b"x" * (2 * 1024 * 1024) + b'"}'
+    single = client.post(f"{step_path()}/complete", content=event)
+    detail = problem(single, 413, "payload_too_large")["detail"]
+    assert detail.startswith("the body is over 2097152 bytes (2 MiB): ")
+    assert "send its URL as external_output_url" in detail
+    assert "batch" not in detail
+    events = b'{"events": ["' + b"x" * (16 * 1024 * 1024) + b'"]}'
+    detail = problem(client.post("/v1/events", content=events), 413, "payload_too_large")["detail"]
+    assert detail.startswith("the body is over 16777216 bytes (16 MiB): ")
+    assert "split the batch into requests sent one after another" in detail
+    assert "external_output_url" in detail
+    assert client.get("/v1/instances").json()["items"] == []
+
+
+@pytest.fixture(scope="module")
+def guarded(own_database: str) -> Iterator[tuple[str, str]]:
+    """A server of this module's own, which a read token guards: (url, token)."""
+    token, digest = new_token()
+    with psycopg.connect(own_database, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO api_token (name, scope, token_sha256) VALUES ('dashboard', 'read', %s)",
+            (digest,),
+        )
+    url, proc = start_server(own_database)
+    try:
+        yield url, token
+    finally:
+        stop(proc)
+
+
+def test_the_sign_in_page_asks_a_person_to_paste_a_read_token_and_says_where_to_get_one(
+    guarded: tuple[str, str],
+) -> None:
+    url, _ = guarded
+    page = httpx.get(f"{url}/ui/failing")
+    assert page.status_code == 401
+    assert page.headers["content-type"].startswith("text/html")
+    text = " ".join(page.text.split())
+    assert "Paste it below once" in text
+    assert "read token" in text
+    assert "Ask whoever runs this service for a read token" in text
+    assert "<code>steprecord token create NAME --scope read</code>" in text
+    assert "Authorization" not in text
+    assert "Bearer" not in text
+    assert 'role="alert"' not in text  # a first visit is no error
+    # Programs still get the header to send.
+    api = httpx.get(f"{url}/v1/instances")
+    assert problem(api, 401, "unauthorized")["detail"] == "send Authorization: Bearer <token>"
+
+
+def test_a_revoked_token_kept_by_the_browser_is_named_on_the_sign_in_page(
+    guarded: tuple[str, str],
+) -> None:
+    url, _ = guarded
+    page = httpx.get(f"{url}/ui", cookies={"steprecord_ui_token": "sr_revoked-long-ago"})
+    assert page.status_code == 401
+    text = " ".join(page.text.split())
+    assert "The token this browser kept is unknown or revoked: paste a current one." in text
+    assert "Bearer" not in text
+
+
+def test_the_sign_in_page_says_why_a_proxied_browser_needs_a_token(client: httpx.Client) -> None:
+    """No token exists, and the request came through a proxy: the page says why, in words."""
+    page = client.get("/ui", headers={"X-Forwarded-For": "203.0.113.9"})
+    assert page.status_code == 401
+    text = " ".join(page.text.split())
+    assert (
+        '<p class="error" role="alert">Without tokens only direct requests to a loopback address'
+        " are anonymous, and this one came through a proxy or a public address.</p>"
+    ) in text
+    assert "Ask whoever runs this service for a read token" in text
+    assert "Bearer" not in text
+
+
+def _serve(env: dict[str, str], *extra: str) -> tuple[str, subprocess.Popen[bytes], str]:
+    """`steprecord serve` started in a subprocess, once ready: (url, process, its banner)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), *extra],
+        env=env,
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        for raw in proc.stderr:
+            lines.append(raw.decode())
+            if "API docs:" in lines[-1]:
+                break
+        wait_ready(url, proc, timeout=60)
+    except BaseException:
+        stop(proc)
+        raise
+    return url, proc, "".join(lines)
+
+
+def _stopped(proc: subprocess.Popen[bytes]) -> str:
+    """Stop `serve` as an init system would (SIGTERM); what it said from then on."""
+    stop(proc)
+    assert proc.stderr is not None
+    return proc.stderr.read().decode()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_serve_prints_the_pages_to_open_and_says_when_it_stops(
+    own_database: str, workers: str
+) -> None:
+    env = {**os.environ, "DATABASE_URL": own_database}
+    url, proc, banner = _serve(env, "--workers", workers)
+    try:
+        assert f"steprecord listening on {url} (workers: {workers}), database " in banner
+        assert f"  dashboard: {url}/ui\n" in banner
+        assert f"  API docs:  {url}/docs\n" in banner
+        assert httpx.get(f"{url}/docs").status_code == 200
+    finally:
+        said = _stopped(proc)
+    assert proc.returncode == 0
+    assert f"steprecord stopped listening on {url}\n" in said
+    assert "embedded" not in said
+
+
+def test_serve_says_the_embedded_database_listens_on_a_unix_socket(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    env["STEPRECORD_DATA_DIR"] = str(tmp_path / "data")
+    url, proc, banner = _serve(env)
+    try:
+        found = re.search(
+            r"the embedded PostgreSQL, listening on a Unix socket in (\S+) \(no TCP", banner
+        )
+        assert found is not None, banner
+        assert (Path(found[1]) / ".s.PGSQL.5432").is_socket()
+        assert "port=5432" not in banner
+        assert f"  dashboard: {url}/ui\n" in banner
+    finally:
+        said = _stopped(proc)
+    assert proc.returncode == 0
+    assert f"steprecord stopped listening on {url}; the embedded PostgreSQL has stopped too" in said

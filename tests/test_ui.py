@@ -20,7 +20,7 @@ from playwright.sync_api import Browser, Page, expect
 
 from app.access import new_token
 from app.cli import migrate
-from app.data import dashboard
+from app.data import dashboard, reads
 from tests.helpers import (
     T0,
     T1,
@@ -413,12 +413,10 @@ TROUBLE = ("ix_workflow_step_record_running_failed", "ix_workflow_step_record_st
     ],
 )
 def test_each_instance_filter_is_served_by_an_index(
-    many_instances: Any, prefix: bool, has: dashboard.Trouble | None, indexes: tuple[str, ...]
+    many_instances: Any, prefix: bool, has: reads.Trouble | None, indexes: tuple[str, ...]
 ) -> None:
-    low, high = dashboard.prefix_range("job-990")  # one key of 10^4: job-9900
-    like = dashboard.prefix_pattern("job-990")
-    params = {**LIST, "prefix_low": low, "prefix_high": high, "prefix_like": like}
-    text = plan(many_instances, dashboard.list_instances_query(prefix=prefix, has=has), params)
+    params = {**LIST, **reads.prefix_params("job-990")}  # one key of 10^4: job-9900
+    text = plan(many_instances, reads.list_instances_query(prefix=prefix, has=has), params)
     assert any(index in text for index in indexes), text
     assert "Seq Scan" not in text, text
 
@@ -431,9 +429,13 @@ def test_the_instance_page_reads_steps_and_attempts_by_index(many_instances: Any
 
 
 def test_a_prefix_range_ends_just_past_the_keys_it_starts() -> None:
-    assert dashboard.prefix_range("run-") == ("run-", "run.")
-    assert dashboard.prefix_range("a:9") == ("a:9", "a::")
-    assert dashboard.prefix_pattern("a_b") == "a\\_b%"
+    assert reads.prefix_params("run-") == {
+        "prefix_low": "run-",
+        "prefix_high": "run.",
+        "prefix_like": "run-%",
+    }
+    assert reads.prefix_params("a:9")["prefix_high"] == "a::"
+    assert reads.prefix_params("a_b")["prefix_like"] == "a\\_b%"
 
 
 # --- in a real browser -----------------------------------------------------------------

@@ -24,13 +24,14 @@ from app.domain import (
 # The merge is a function in the database (app/sql/apply_events.sql says how it judges):
 # PostgreSQL plans it once per connection, through any pooler, where the statement it runs
 # cost twice its execution time to plan on every call. It takes $1 the events' indexes,
-# then one array per field of `PARAMS`, in order, and answers one row per event (index,
+# then one array per field of `PARAMS`, in order, then the request's trace id (NULL for
+# none: the attempts the events start keep it), and answers one row per event (index,
 # outcome, record) with events of distinct steps applied in one statement, each judged as if
 # alone. It runs on a raw cursor: the text is sent as is, never parsed for placeholders.
 APPLY_EVENTS = (
     "SELECT * FROM steprecord_apply_events($1::int[], $2::text[], $3::text[], $4::text[],"
     " $5::bigint[], $6::timestamptz[], $7::timestamptz[], $8::text[], $9::text[], $10::text[],"
-    " $11::text[], $12::bigint[], $13::int[])"
+    " $11::text[], $12::bigint[], $13::int[], $14::text)"
 )
 
 # One event (not a heartbeat) with scalars for arrays (app/sql/apply_event.sql): the same
@@ -39,7 +40,7 @@ APPLY_EVENTS = (
 APPLY_EVENT = (
     "SELECT * FROM steprecord_apply_event($1::int, $2::text, $3::text, $4::text, $5::bigint,"
     " $6::timestamptz, $7::timestamptz, $8::text, $9::text, $10::text, $11::text, $12::bigint,"
-    " $13::int)"
+    " $13::int, $14::text)"
 )
 
 # An event with no row in the answer lost a race with a concurrent creator of its instance (the
@@ -81,28 +82,33 @@ HEARTBEAT_PARAMS = ("instance_key", "step_slug", "attempt", "lease_seconds")
 Outcomes = list[Result | Exception]
 
 
-async def apply_event(conn: AsyncConn, event: Event) -> Result:
+async def apply_event(conn: AsyncConn, event: Event, *, trace_id: str | None = None) -> Result:
     """Apply one event; raise what the database refused.
 
     It goes to `steprecord_apply_event`, which runs only the half of the general statement
-    the event needs (and writes an existing record only when the event applies).
+    the event needs (and writes an existing record only when the event applies). An attempt
+    the event starts keeps `trace_id` (the request's W3C trace id, 32 lowercase hex digits).
     """
     if event.kind == "heartbeat":
         (result,) = await apply_events(conn, [event])
     else:
         outcomes: list[Result | Exception | None] = [None]
-        await _apply_statement(conn, APPLY_EVENT, PARAMS, [event], [0], outcomes, _scalars)
+        params = _scalars(trace_id)
+        await _apply_statement(conn, APPLY_EVENT, PARAMS, [event], [0], outcomes, params)
         result = await _final(conn, event, outcomes[0])
     if isinstance(result, Exception):
         raise result
     return result
 
 
-async def apply_events(conn: AsyncConn, events: Sequence[Event]) -> Outcomes:
+async def apply_events(
+    conn: AsyncConn, events: Sequence[Event], *, trace_id: str | None = None
+) -> Outcomes:
     """Apply events in order, each judged as if alone; one result (or refusal) per event.
 
     Consecutive events of distinct steps go in one statement; a step seen again starts the
-    next statement, so later events of a step see the effects of earlier ones.
+    next statement, so later events of a step see the effects of earlier ones. The events
+    share one request, so the attempts they start all keep its `trace_id`.
     """
     outcomes: list[Result | Exception | None] = [None] * len(events)
     segment: list[int] = []
@@ -110,12 +116,12 @@ async def apply_events(conn: AsyncConn, events: Sequence[Event]) -> Outcomes:
     for index, event in enumerate(events):
         key = (event.instance_key, event.step_slug)
         if key in seen:
-            await _apply_segment(conn, events, segment, outcomes)
+            await _apply_segment(conn, events, segment, outcomes, trace_id)
             segment, seen = [], set()
         segment.append(index)
         seen.add(key)
     if segment:
-        await _apply_segment(conn, events, segment, outcomes)
+        await _apply_segment(conn, events, segment, outcomes, trace_id)
     return [await _final(conn, events[i], o) for i, o in enumerate(outcomes)]
 
 
@@ -130,19 +136,22 @@ async def _apply_segment(
     events: Sequence[Event],
     indexes: list[int],
     outcomes: list[Result | Exception | None],
+    trace_id: str | None,
 ) -> None:
     """Apply events of distinct steps: they cannot affect each other, so heartbeats and the
-    other events go in one statement each."""
+    other events go in one statement each (a heartbeat starts no attempt: no trace id)."""
     beats = [index for index in indexes if events[index].kind == "heartbeat"]
     others = [index for index in indexes if events[index].kind != "heartbeat"]
     if beats:
         await _apply_statement(conn, HEARTBEAT, HEARTBEAT_PARAMS, events, beats, outcomes)
     if others:
-        await _apply_statement(conn, APPLY_EVENTS, PARAMS, events, others, outcomes)
+        params = _columns_and(trace_id)
+        await _apply_statement(conn, APPLY_EVENTS, PARAMS, events, others, outcomes, params)
 
 
 # A statement's parameters: the events' indexes, then one array per field (`_columns`), or
-# for one event its index and its fields (`_scalars`).
+# for one event its index and its fields (`_scalars`); the judge's functions then take the
+# request's trace id.
 Params = Callable[[Sequence[Event], list[int], Sequence[str]], list[Any]]
 
 
@@ -150,9 +159,19 @@ def _columns(events: Sequence[Event], indexes: list[int], names: Sequence[str]) 
     return [indexes] + [[getattr(events[i], name) for i in indexes] for name in names]
 
 
-def _scalars(events: Sequence[Event], indexes: list[int], names: Sequence[str]) -> list[Any]:
-    (index,) = indexes
-    return [index] + [getattr(events[index], name) for name in names]
+def _columns_and(trace_id: str | None) -> Params:
+    def params(events: Sequence[Event], indexes: list[int], names: Sequence[str]) -> list[Any]:
+        return [*_columns(events, indexes, names), trace_id]
+
+    return params
+
+
+def _scalars(trace_id: str | None) -> Params:
+    def params(events: Sequence[Event], indexes: list[int], names: Sequence[str]) -> list[Any]:
+        (index,) = indexes
+        return [index, *(getattr(events[index], name) for name in names), trace_id]
+
+    return params
 
 
 async def _apply_statement(

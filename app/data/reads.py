@@ -4,7 +4,7 @@ a step's attempts, and records across instances."""
 from collections.abc import Sequence
 from datetime import datetime
 from itertools import repeat
-from typing import Any
+from typing import Any, Literal
 
 import psycopg
 from psycopg.rows import tuple_row
@@ -98,28 +98,81 @@ async def get_instance(conn: AsyncConn, instance_key: str) -> dict[str, Any]:
     row = await cur.fetchone()
     if row is None:
         raise InstanceNotFound(instance_key)
-    counts = {s: row.pop(s) for s in ("pending", "running", "completed", "failed")}
+    counts = {status: row.pop(status) for status in COUNTED}
     return {**row, "step_counts": counts}
 
 
-LIST_INSTANCES = """
-SELECT id, instance_key, created_at FROM process_instance
-WHERE (created_at, id) < (%(before_created_at)s, %(before_id)s)
-ORDER BY created_at DESC, id DESC
+STEP_COUNTS = """
+    SELECT count(*) FILTER (WHERE r.status = 'pending') AS pending,
+           count(*) FILTER (WHERE r.status = 'running') AS running,
+           count(*) FILTER (WHERE r.status = 'completed') AS completed,
+           count(*) FILTER (WHERE r.status = 'failed') AS failed
+    FROM workflow_step_record r WHERE r.instance_id = p.id
+"""
+COUNTED = ("pending", "running", "completed", "failed")
+Trouble = Literal["failed", "running"]
+
+# Keys starting with a prefix: the range is what the index `ix_process_instance_instance_key_
+# prefix` reads (text_pattern_ops: byte order, in which a prefix is a range), in any plan;
+# LIKE lets the planner estimate how many keys match from the column's statistics.
+IN_PREFIX = (
+    "p.instance_key ~>=~ %(prefix_low)s AND p.instance_key ~<~ %(prefix_high)s"
+    " AND p.instance_key LIKE %(prefix_like)s"
+)
+
+
+def prefix_params(prefix: str) -> dict[str, str]:
+    """The parameters of `IN_PREFIX`. Keys are ASCII, so incrementing the last character of
+    the prefix gives the first key past them; `_` is a wildcard of LIKE, hence escaped."""
+    like = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+    high = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+    return {"prefix_low": prefix, "prefix_high": high, "prefix_like": like}
+
+
+def list_instances_query(*, prefix: bool, has: Trouble | None) -> str:
+    """Instances newest first with their step counts; a key prefix reads the prefix index, a
+    status filter probes the partial index of running and failed records per instance."""
+    where = ["(p.created_at, p.id) < (%(before_created_at)s, %(before_id)s)"]
+    if prefix:
+        where.append(IN_PREFIX)
+    if has is not None:
+        where.append(
+            "EXISTS (SELECT FROM workflow_step_record f"
+            f" WHERE f.instance_id = p.id AND f.status = '{has}')"
+        )
+    return f"""
+SELECT p.id, p.instance_key, p.created_at, c.*
+FROM process_instance p
+CROSS JOIN LATERAL ({STEP_COUNTS}) c
+WHERE {" AND ".join(where)}
+ORDER BY p.created_at DESC, p.id DESC
 LIMIT %(limit)s
 """
 
 
 async def list_instances(
-    conn: AsyncConn, *, before: Sequence[Any] | None, limit: int
+    conn: AsyncConn,
+    *,
+    prefix: str | None = None,
+    has: Trouble | None = None,
+    before: Sequence[Any] | None,
+    limit: int,
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Instances newest first; `before` is `(created_at, id)` of the last one seen."""
+    """Instances newest first, each with its `step_counts`; only those whose key starts with
+    `prefix`, and only those with a step in status `has`, when given. `before` is
+    `(created_at, id)` of the last one seen."""
     created_at, last_id = before if before else ("infinity", 0)
-    cur = await conn.execute(
-        LIST_INSTANCES,
-        {"before_created_at": created_at, "before_id": last_id, "limit": limit + 1},
-    )
+    params: dict[str, Any] = {
+        "before_created_at": created_at,
+        "before_id": last_id,
+        "limit": limit + 1,
+    }
+    if prefix:
+        params |= prefix_params(prefix)
+    cur = await conn.execute(list_instances_query(prefix=bool(prefix), has=has), params)
     rows = await cur.fetchall()
+    for row in rows:
+        row["step_counts"] = {status: row.pop(status) for status in COUNTED}
     if len(rows) > limit:
         return rows[:limit], rows[limit - 1]
     return rows, None
@@ -128,7 +181,7 @@ async def list_instances(
 ATTEMPT = (
     "a.attempt, a.status, a.started_at, a.completed_at, a.output::text AS output,"
     " a.external_output_url, a.error_code, a.error_message, a.lease_expires_at,"
-    " a.created_at, a.updated_at"
+    " a.created_at, a.updated_at, a.trace_id"
 )
 
 LIST_ATTEMPTS = f"""
@@ -185,12 +238,17 @@ def _recent_branch(status: str, *, updated_after: bool, lease_expired: bool) -> 
     )
 
 
-def list_recent_query(statuses: Sequence[str], *, updated_after: bool, lease_expired: bool) -> str:
+def list_recent_query(
+    statuses: Sequence[str], *, updated_after: bool, lease_expired: bool, prefix: bool = False
+) -> str:
     """Records of the given statuses across instances, newest `updated_at` first.
 
     One branch per status, each a backward scan of `(status, updated_at, id)` (or of the
     partial index of leased records) merged in order by a Merge Append, so no filter sorts.
+    Within a key prefix, the prefix's instances are read first instead (`_in_prefix_query`).
     """
+    if prefix:
+        return _in_prefix_query(statuses, updated_after=updated_after, lease_expired=lease_expired)
     branches = [
         _recent_branch(s, updated_after=updated_after, lease_expired=lease_expired)
         for s in statuses
@@ -205,9 +263,33 @@ FROM ({merged}) s
 """
 
 
+def _in_prefix_query(statuses: Sequence[str], *, updated_after: bool, lease_expired: bool) -> str:
+    """Records of the given statuses of the instances whose key starts with a prefix, newest
+    `updated_at` first: the instances are read from the prefix's range of keys (materialized,
+    so the plan never scans every record and filters by key afterwards), then their records
+    by `instance_id`, sorted. Its cost grows with the prefix's records, not the table's."""
+    where = [
+        "r.status IN (" + ", ".join(f"'{s}'" for s in statuses) + ")",
+        "(r.updated_at, r.id) < (%(before)s, %(before_id)s)",
+    ]
+    if updated_after:
+        where.append("r.updated_at > %(updated_after)s")
+    if lease_expired:
+        where += ["r.lease_expires_at IS NOT NULL", "r.lease_expires_at < clock_timestamp()"]
+    return f"""
+WITH p AS MATERIALIZED (SELECT p.id, p.instance_key FROM process_instance p WHERE {IN_PREFIX})
+SELECT p.instance_key, r.instance_id, {RECORD.format(r="r")}
+FROM p JOIN workflow_step_record r ON r.instance_id = p.id
+WHERE {" AND ".join(where)}
+ORDER BY r.updated_at DESC, r.id DESC
+LIMIT %(limit)s
+"""
+
+
 async def list_recent(
     conn: AsyncConn,
     *,
+    prefix: str | None = None,
     statuses: Sequence[str],
     updated_after: datetime | None,
     lease_expired: bool,
@@ -215,24 +297,28 @@ async def list_recent(
     limit: int,
 ) -> Page:
     """Records across instances, newest `updated_at` first; `before` is `(updated_at, id)`
-    of the last one seen. `lease_expired` keeps running records whose lease has expired."""
+    of the last one seen. `lease_expired` keeps running records whose lease has expired;
+    `prefix` only the records of instances whose key starts with it."""
     if lease_expired:
         statuses = [s for s in statuses if s == "running"]
     if not statuses:
         return Page([], None)
     query = list_recent_query(
-        statuses, updated_after=updated_after is not None, lease_expired=lease_expired
+        statuses,
+        updated_after=updated_after is not None,
+        lease_expired=lease_expired,
+        prefix=bool(prefix),
     )
     before_at, before_id = before if before else ("infinity", 0)
-    cur = await conn.execute(
-        query,
-        {
-            "before": before_at,
-            "before_id": before_id if before else 0,
-            "updated_after": updated_after,
-            "limit": limit + 1,
-        },
-    )
+    params: dict[str, Any] = {
+        "before": before_at,
+        "before_id": before_id if before else 0,
+        "updated_after": updated_after,
+        "limit": limit + 1,
+    }
+    if prefix:
+        params |= prefix_params(prefix)
+    cur = await conn.execute(query, params)
     rows = await cur.fetchall()
     for row in rows:
         del row["instance_id"]

@@ -9,20 +9,30 @@ from app.data.common import violation
 from app.db import AsyncConn
 from app.domain import SchemaMissing
 
+# `ended_anonymous`: this token is the one that ends anonymous access (the statement's
+# snapshot reads the policy as it was before the token's trigger closes it).
+CREATE_TOKEN = """
+INSERT INTO api_token (name, scope, token_sha256, key_prefix) VALUES (%s, %s, %s, %s)
+RETURNING EXISTS (SELECT FROM access_policy WHERE NOT tokens_required) AS ended_anonymous
+"""
 
-async def create_token(conn: AsyncConn, name: str, scope: str, digest: bytes) -> None:
+
+async def create_token(
+    conn: AsyncConn, name: str, scope: str, digest: bytes, key_prefix: str | None = None
+) -> bool:
+    """Store a token's digest; True when anonymous access was allowed until this token."""
     try:
-        await conn.execute(
-            "INSERT INTO api_token (name, scope, token_sha256) VALUES (%s, %s, %s)",
-            (name, scope, digest),
-        )
+        cur = await conn.execute(CREATE_TOKEN, (name, scope, digest, key_prefix))
     except psycopg.errors.IntegrityError as exc:
         raise violation(exc) from exc
+    row = await cur.fetchone()
+    assert row is not None
+    return bool(row["ended_anonymous"])
 
 
 async def list_tokens(conn: AsyncConn) -> list[dict[str, Any]]:
     cur = await conn.execute(
-        "SELECT name, scope, created_at, last_used_at FROM api_token ORDER BY name"
+        "SELECT name, scope, key_prefix, created_at, last_used_at FROM api_token ORDER BY name"
     )
     return await cur.fetchall()
 
@@ -67,7 +77,7 @@ async def anonymous_allowed(conn: AsyncConn) -> bool:
 
 async def active_tokens(conn: AsyncConn) -> list[dict[str, Any]]:
     try:
-        cur = await conn.execute("SELECT id, scope, token_sha256 FROM api_token")
+        cur = await conn.execute("SELECT id, scope, token_sha256, key_prefix FROM api_token")
     except psycopg.errors.UndefinedTable as exc:
         raise SchemaMissing(str(exc)) from exc
     return await cur.fetchall()

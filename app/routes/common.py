@@ -10,12 +10,18 @@ from fastapi.routing import APIRoute
 
 from app.db import Pool
 from app.errors import Problem, validation_problem
-from app.models import NAME_PATTERN, STATUSES
+from app.models import MAX_OUTPUT_BYTES, NAME_PATTERN, STATUSES
 from app.replica import ReadPool
 from app.serialize import MAX_DEPTH, BadJSON, UnacceptableJSON, dumps, loads
 
 MAX_BODY_BYTES = 2 * 1024 * 1024
 MAX_BATCH_BYTES = 16 * 1024 * 1024
+# What makes a body too large, by its limit: an event's output, or a batch's many events.
+OUTPUT_ADVICE = "store a large output elsewhere and send its URL as external_output_url"
+TOO_LARGE_ADVICE = {
+    MAX_BODY_BYTES: f"{OUTPUT_ADVICE} (inline, {MAX_OUTPUT_BYTES >> 20} MiB at most)",
+    MAX_BATCH_BYTES: f"split the batch into requests sent one after another; {OUTPUT_ADVICE}",
+}
 # `{"events": [...]}` holds each event two levels down; it may nest as deep as at its endpoint.
 MAX_BATCH_DEPTH = MAX_DEPTH + 2
 
@@ -77,17 +83,24 @@ def read_pool(request: Request) -> ReadPool:
     return reads
 
 
+def _too_large(limit: int) -> Problem:
+    advice = TOO_LARGE_ADVICE.get(limit, OUTPUT_ADVICE)
+    return Problem(
+        413, "payload_too_large", f"the body is over {limit} bytes ({limit >> 20} MiB): {advice}"
+    )
+
+
 async def read_json(request: Request, limit: int, depth: int = MAX_DEPTH) -> Any:
     """The parsed body (None when empty), refusing more than `limit` bytes before parsing."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise Problem(413, "payload_too_large", f"the body is over {limit} bytes")
+        raise _too_large(limit)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise Problem(413, "payload_too_large", f"the body is over {limit} bytes")
+            raise _too_large(limit)
         chunks.append(chunk)
     body = b"".join(chunks)
     if not body.strip():

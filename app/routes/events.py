@@ -6,7 +6,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from app import observe, schemas
+from app import observe, schemas, tenancy, tracing
 from app.data import judge
 from app.domain import ConstraintViolation, Event, InvalidData, Kind, Result
 from app.errors import Problem, to_problem
@@ -38,14 +38,16 @@ SUMMARIES = {
 def _event_route(kind: Kind) -> None:
     async def handler(request: Request, instance_key: InstanceKey, step_slug: StepSlug) -> Response:
         try:
+            tenancy.check_write(request.scope, [instance_key])
             body = await read_json(request, MAX_BODY_BYTES)
             event = parse_event(instance_key, step_slug, kind, body)
         except Problem:
             observe.count_event(kind, "refused")
             raise
-        async with primary_pool(request).connection() as conn:
+        trace_id = tracing.trace_id(request)  # the attempt this event starts keeps it
+        async with primary_pool(request).connection(name="apply_event") as conn:
             try:
-                result = await judge.apply_event(conn, event)
+                result = await judge.apply_event(conn, event, trace_id=trace_id)
             except (ConstraintViolation, InvalidData):
                 observe.count_event(kind, "refused")
                 raise
@@ -98,6 +100,7 @@ def _batch_result(
 )
 async def post_events(request: Request) -> Response:
     items = parse_envelope(await read_json(request, MAX_BATCH_BYTES, MAX_BATCH_DEPTH))
+    tenancy.check_write(request.scope, [key for item in items if (key := _key_of(item))])
     parsed: list[Event | Exception] = []
     for item in items:
         try:
@@ -105,8 +108,9 @@ async def post_events(request: Request) -> Response:
         except Problem as problem:
             parsed.append(problem)
     valid = [event for event in parsed if isinstance(event, Event)]
-    async with primary_pool(request).connection() as conn:
-        applied = iter(await judge.apply_events(conn, valid))
+    trace_id = tracing.trace_id(request)  # one request: the attempts it starts share its trace
+    async with primary_pool(request).connection(name="apply_events") as conn:
+        applied = iter(await judge.apply_events(conn, valid, trace_id=trace_id))
     results = []
     counts: Counter[tuple[str, str]] = Counter()
     for item, event in zip(items, parsed, strict=True):
@@ -117,6 +121,12 @@ async def post_events(request: Request) -> Response:
     for (kind, outcome), amount in counts.items():
         observe.count_event(kind, outcome, amount)
     return json_response({"results": results})
+
+
+def _key_of(item: Any) -> str | None:
+    """The instance key an item names, valid or not (a batch's reach is checked first)."""
+    key = item.get("instance_key") if isinstance(item, dict) else None
+    return key if isinstance(key, str) else None
 
 
 def _kind_of(item: Any) -> str:

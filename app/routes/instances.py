@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from app import schemas
+from app import schemas, tenancy
 from app.data import retention
 from app.errors import Problem
 from app.routes.common import InstanceKey, KnownQuery, primary_pool
@@ -29,6 +29,7 @@ async def delete_instance(
         Query(description="`true`: delete it even while a step is running"),
     ] = "false",
 ) -> Response:
+    tenancy.check_write(request.scope, [instance_key])
     async with primary_pool(request).connection() as conn:
         deletion = await retention.delete_instance(conn, instance_key, force=force == "true")
     if not deletion.deleted:

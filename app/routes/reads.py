@@ -7,7 +7,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response
 from pydantic import AwareDatetime
 
-from app import cursors, live, schemas
+from app import cursors, live, schemas, tenancy
 from app.data import reads as data
 from app.domain import Page
 from app.models import STATUSES
@@ -51,6 +51,7 @@ async def list_steps(
     cursor: str | None = None,
     fields: Fields = "full",
 ) -> Response:
+    tenancy.check_read(request.scope, instance_key)
     only = statuses(status)
     after = None if cursor is None else cursors.steps_position(order, cursor)
     page = await read_pool(request).run(
@@ -75,6 +76,7 @@ async def get_step(
     step_slug: StepSlug,
     fields: Fields = "full",
 ) -> Response:
+    tenancy.check_read(request.scope, instance_key)
     record = await read_pool(request).run(lambda conn: data.get_step(conn, instance_key, step_slug))
     return json_response(record_json(record, fields == "summary"))
 
@@ -93,6 +95,7 @@ async def list_attempts(
     cursor: str | None = None,
     fields: Fields = "full",
 ) -> Response:
+    tenancy.check_read(request.scope, instance_key)
     after = None if cursor is None else cursors.attempts_position(cursor)
     page = await read_pool(request).run(
         lambda conn: data.list_attempts(conn, instance_key, step_slug, after=after, limit=limit)
@@ -122,6 +125,7 @@ async def stream_instance(
         ),
     ] = None,
 ) -> Response:
+    tenancy.check_read(request.scope, instance_key)
     # The header wins: EventSource reconnects to the same URL with a newer id in the header.
     if last_event_id_header is not None:
         after = live.parse_event_id(last_event_id_header, "Last-Event-ID")
@@ -161,6 +165,7 @@ async def list_recent_steps(
     page = await read_pool(request).run(
         lambda conn: data.list_recent(
             conn,
+            prefix=tenancy.prefix_of(request.scope),
             statuses=only,
             updated_after=updated_after,
             lease_expired=lease_expired == "true",
@@ -178,6 +183,7 @@ async def list_recent_steps(
     responses=schemas.read_responses(schemas.Instance),
 )
 async def get_instance(request: Request, instance_key: InstanceKey) -> Response:
+    tenancy.check_read(request.scope, instance_key)
     instance = await read_pool(request).run(lambda conn: data.get_instance(conn, instance_key))
     return json_response(instance)
 
@@ -194,8 +200,9 @@ async def list_instances(
     cursor: str | None = None,
 ) -> Response:
     before = None if cursor is None else cursors.instances_position(cursor)
+    prefix = tenancy.prefix_of(request.scope)
     items, last = await read_pool(request).run(
-        lambda conn: data.list_instances(conn, before=before, limit=limit)
+        lambda conn: data.list_instances(conn, prefix=prefix, before=before, limit=limit)
     )
     next_cursor = None if last is None else cursors.instances_cursor(last)
     return json_response({"items": items, "next_cursor": next_cursor})

@@ -21,7 +21,9 @@ def judged(result: Result, event: Event) -> tuple[int, dict[str, Any]]:
     if result.outcome in REFUSALS:
         status, detail = REFUSALS[result.outcome]
         current = None if result.record is None else record_json(result.record)
-        if result.record is not None:
+        if result.outcome == "not_started":
+            detail = _not_started(event)
+        elif result.record is not None:
             detail = _explain(result.outcome, event, result.record) or detail
         if result.outcome != "stale_attempt":
             raise Problem(status, result.outcome, detail, current=current)
@@ -36,6 +38,20 @@ def judged(result: Result, event: Event) -> tuple[int, dict[str, Any]]:
 
 
 CONTENT = ("output", "external_output_url", "error_code", "error_message")
+
+
+def _not_started(event: Event) -> str:
+    """What to do about an event that needs a start the record does not have."""
+    attempt = "this attempt" if event.attempt is None else f"attempt {event.attempt}"
+    if event.kind == "heartbeat":
+        return (
+            f"{attempt} has not started, so it has no lease to extend: call start first"
+            " (with lease_seconds), then send heartbeats"
+        )
+    return (
+        f"{attempt} has no start to {event.kind}: send started_at with this {event.kind},"
+        " or call start first"
+    )
 
 
 def _explain(outcome: str, event: Event, record: dict[str, Any]) -> str | None:

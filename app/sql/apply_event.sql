@@ -4,7 +4,8 @@
 -- Arguments: the fields of steprecord_apply_events (apply_events.sql) as scalars, in the
 -- same order: $1 i, $2 instance_key, $3 step_slug, $4 kind, $5 attempt, $6 started_at,
 -- $7 completed_at, $8 output (JSON text), $9 external_output_url, $10 error_code,
--- $11 error_message, $12 ordinal, $13 lease_seconds.
+-- $11 error_message, $12 ordinal, $13 lease_seconds; then p_trace_id (default NULL), the
+-- request's trace id, which the attempt this event starts keeps (as in apply_events.sql).
 --
 -- Answer: the same row that steprecord_apply_events answers for a one-event call, judged
 -- by the same rules (the judge's test calls both with every kind of event and compares
@@ -23,7 +24,8 @@
 -- The record's row lock taken in 1 is held until the transaction ends, so the decision of
 -- 1 still holds when 2 or 4 writes.
 CREATE OR REPLACE FUNCTION steprecord_apply_event(
-    int, text, text, text, bigint, timestamptz, timestamptz, text, text, text, text, bigint, int
+    int, text, text, text, bigint, timestamptz, timestamptz, text, text, text, text, bigint, int,
+    p_trace_id text DEFAULT NULL
 ) RETURNS TABLE (
     i integer, outcome text, recorded boolean,
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
@@ -34,11 +36,16 @@ CREATE OR REPLACE FUNCTION steprecord_apply_event(
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 SET steprecord.writer = 'judge'
+SET steprecord.trace_id = ''
 AS $fn$
 #variable_conflict use_column
 DECLARE
     judged record;
 BEGIN
+    -- The trace id for this call's writes only, set first and always (apply_events.sql says
+    -- how the history's new attempt row takes it).
+    PERFORM set_config('steprecord.trace_id', coalesce(p_trace_id, ''), true);
+
     -- 1. The record, locked, and the event judged against it (see apply_events.sql for
     --    what each step decides). `judged` keeps the record as it stands and the clock.
     WITH e AS MATERIALIZED (

@@ -5,6 +5,9 @@
 --   $4 kind ('declare' | 'start' | 'complete' | 'fail'), $5 attempt, $6 started_at,
 --   $7 completed_at, $8 output (JSON text), $9 external_output_url, $10 error_code,
 --   $11 error_message, $12 ordinal, $13 lease_seconds. NULL means "not sent".
+-- Then one scalar, p_trace_id (default NULL): the W3C trace id (32 lowercase hex digits) of
+-- the request that sent the events, or NULL when it had none. An attempt that an event
+-- starts keeps it (workflow_step_attempt.trace_id; see the first step below).
 --
 -- The events must be of distinct steps: each is judged as if alone (the caller splits a
 -- list where a step repeats, so later events of a step see the earlier ones' effects).
@@ -40,9 +43,11 @@
 -- (a custom plan would be made again, at the full planning cost, on every call).
 -- steprecord.writer = 'judge', for the call only: the history's guard lets the judge, and
 -- nothing else, write a late report into the history (attempt_history.sql).
+-- steprecord.trace_id = '', restored when the call returns: the trace id set below holds
+-- for this call's writes only, never for later statements of the same transaction.
 CREATE OR REPLACE FUNCTION steprecord_apply_events(
     int[], text[], text[], text[], bigint[], timestamptz[], timestamptz[], text[],
-    text[], text[], text[], bigint[], int[]
+    text[], text[], text[], bigint[], int[], p_trace_id text DEFAULT NULL
 ) RETURNS TABLE (
     i integer, outcome text, recorded boolean,
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
@@ -53,9 +58,18 @@ CREATE OR REPLACE FUNCTION steprecord_apply_events(
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 SET steprecord.writer = 'judge'
+SET steprecord.trace_id = ''
 AS $fn$
 #variable_conflict use_column
 BEGIN
+    -- The trace id of this call, set first and always (an empty string for none), so that a
+    -- value never carries over from an earlier call of the same transaction. The history's
+    -- rows are written by the record's triggers (attempt_history.sql), which do not name
+    -- trace_id: a new attempt row takes the column's default,
+    -- nullif(current_setting('steprecord.trace_id', true), ''), so an attempt keeps the
+    -- trace of the event that started it, and later writes of its row never change it.
+    PERFORM set_config('steprecord.trace_id', coalesce(p_trace_id, ''), true);
+
     RETURN QUERY
     -- e: the events, with what every later step needs of them. One clock reading per call
     -- (clock_timestamp, not now(): a retried call in the same transaction reads anew).
@@ -187,7 +201,8 @@ BEGIN
     ),
     -- late_write: a missing entry is inserted, a superseded one becomes the report; a
     -- terminal entry is left as it is (the WHERE of the upsert), and a report whose start
-    -- would follow its end writes nothing.
+    -- would follow its end writes nothing. An inserted entry takes this call's trace id
+    -- (the report is the first the history hears of that attempt); an updated one keeps its own.
     late_write AS (
         INSERT INTO workflow_step_attempt AS a (
             instance_id, record_id, attempt, status, started_at, completed_at, output,

@@ -36,6 +36,15 @@ from typing import Any, Final
 
 import httpx
 
+try:  # OpenTelemetry's API (the `otel` extra): requests carry the current trace context
+    from opentelemetry import context as otel_context
+    from opentelemetry import propagate as otel_propagate
+    from opentelemetry import trace as otel_trace
+
+    TRACE_CONTEXT = True
+except ImportError:  # without it, nothing is sent
+    TRACE_CONTEXT = False
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -767,11 +776,39 @@ def headers(token: str | None) -> dict[str, str]:
 
 
 def request_kwargs(op: Http) -> dict[str, Any]:
+    """httpx's arguments for ``op``; with OpenTelemetry's API installed, the headers carry the
+    current trace context (W3C ``traceparent``, through the configured propagators), so the
+    service's spans join the caller's trace and the attempt a ``start`` begins keeps its id."""
     kwargs: dict[str, Any] = {"params": op.params}
+    headers: dict[str, str] = {}
     if op.body is not None:
         kwargs["content"] = encode_body(op.body)
-        kwargs["headers"] = {"Content-Type": "application/json"}
+        headers["Content-Type"] = "application/json"
+    if TRACE_CONTEXT:
+        otel_propagate.inject(headers)  # nothing when no span is current
+    if headers:
+        kwargs["headers"] = headers
     return kwargs
+
+
+@contextlib.contextmanager
+def carried_trace(get: Callable[[str], object]) -> Iterator[None]:
+    """While no span is current: the trace context that ``get`` finds (a message's W3C headers,
+    by name) is made current, so the requests sent meanwhile carry it. A current span, or no
+    OpenTelemetry API, leaves everything as it is."""
+    if not TRACE_CONTEXT or otel_trace.get_current_span().get_span_context().is_valid:
+        yield
+        return
+    carrier = {}
+    for name in otel_propagate.get_global_textmap().fields:
+        value = get(name)
+        if isinstance(value, str):
+            carrier[name] = value
+    token = otel_context.attach(otel_propagate.extract(carrier))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
 
 
 def make_async_wrapper(

@@ -31,6 +31,11 @@ short:
   and text when the task raises, when it asks for a retry (reported as the retry is
   published, before the next attempt can start) and when it is revoked while running
   (``error_code`` ``revoked``).
+- **Traces.** With OpenTelemetry's API installed (the ``otel`` extra), every report carries
+  the current trace context, so the attempt keeps the trace id of the task's span. Call
+  ``CeleryInstrumentor().instrument()`` before :func:`record_celery`, so that the task's span
+  is current when its start is reported; without a current span, the start carries the trace
+  context the task's publisher sent in the message headers (W3C ``traceparent``), if any.
 - **Reporting never breaks a task.** Each report has a budget of about three seconds
   (short timeouts, a few retries with the client's :class:`~steprecord_client._core.Backoff`);
   a report that cannot be delivered, or that the service refuses (a 409 such as
@@ -304,7 +309,10 @@ class CeleryRecording:
                 return
             retries = int(getattr(request, "retries", 0) or 0)
             running = _Running(task_id, retries, *names, attempt=retries + 1, started=_core.now())
-            self._start(running)
+            # The task's trace: its span when one is current (OpenTelemetry's Celery
+            # instrumentation, connected before this), else the context its publisher sent.
+            with _core.carried_trace(lambda name: getattr(request, name, None)):
+                self._start(running)
             self._stack().append(running)
             with self._lock:
                 self._running[task_id] = running
