@@ -8,6 +8,16 @@ with one short query through the read pool. A flag, not a queue: any number of n
 before a stream reads costs one read, so a slow client holds no more than its position and
 the flag.
 
+Streams of one instance share their reads. A stream that wants to read joins the read of its
+instance that is about to run (waiting for a connection, its statement not sent yet) or
+starts one; the read runs once, from the lowest position among the streams it serves, and
+each stream takes the records after its own position. So the streams of an instance that
+open together (a wall of dashboards reconnecting after a deploy), or that one notification
+wakes, cost one read and one pool slot, not one each, and each record is rendered once for
+all of them. A read that has started is never joined: its snapshot could predate the write
+that woke the stream, whereas a read that has not started yet sees every commit made before
+the stream asked.
+
 The listener's session is open only while the worker has a stream open: a worker without
 streams has nothing to wake, and receiving a notification for every write it and every other
 worker takes would cost it CPU for nothing (a tenth of a worker's time under a batch load).
@@ -28,14 +38,16 @@ served by the primary has every commit, so it meets the targets set before it.
 """
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import re
 import signal
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, Self
 
 import psycopg
 from psycopg.rows import dict_row
@@ -178,19 +190,110 @@ async def keep_listening(conninfo: str, hub: Hub, *, positions: bool = False) ->
         await asyncio.sleep(min(0.1 * 2**failures, MAX_BACKOFF_SECONDS))
 
 
+@dataclass(frozen=True, slots=True)
+class Update:
+    """What one read gives one stream: its new events, rendered, and where it reads next."""
+
+    instance_id: int
+    frames: bytes  # the events to send, ready for the wire (empty: nothing new)
+    position: stream.Position  # where the stream's next read starts
+    more: bool  # a full page: read on at once
+    behind: bool  # a change waits (for an older transaction, or for replay): read again soon
+    caught_up: bool  # the read saw every commit up to its target
+
+
+class SharedRead:
+    """One read of an instance's changes, for every stream that joined it before it ran."""
+
+    __slots__ = ("_joined", "afters", "changes", "frames", "low", "positions", "task")
+
+    def __init__(self) -> None:
+        self.afters: list[stream.Position] = []  # the positions of the streams it serves
+        self.low: stream.Position = (0, 0)  # the position it reads from: the lowest of them
+        self.task: asyncio.Future[SharedRead] | None = None
+        self.changes: stream.Changes | None = None
+        self.positions: list[stream.Position] = []  # each record's, in the read's order
+        self.frames: list[bytes] = []  # each record's event, rendered once for all
+        self._joined: dict[int, bytes] = {}  # the frames from the n-th record on, joined
+
+    def done(self, changes: stream.Changes) -> Self:
+        self.changes = changes
+        self.positions = [(r["changed_xid"], r["id"]) for r in changes.records]
+        self.frames = [_frame(record) for record in changes.records]
+        return self
+
+    def update(self, after: stream.Position) -> Update:
+        """The read as the stream at `after` sees it: the records after its own position.
+
+        The read started from the lowest position, so it holds every record after `after` up
+        to where it ended (its horizon, or its last record for a full page). Its `behind`
+        concerns records beyond the lowest position: for a stream further on it may say
+        "read again soon" where its own read would not, never the reverse."""
+        changes = self.changes
+        assert changes is not None
+        start = 0 if after <= self.low else bisect.bisect_right(self.positions, after)
+        frames = self._joined.get(start)
+        if frames is None:
+            frames = self._joined[start] = b"".join(self.frames[start:])
+        position = max(after, changes.position)
+        return Update(
+            changes.instance_id, frames, position, changes.more, changes.behind, changes.caught_up
+        )
+
+
+# The reads about to run, by read pool, instance and target: a stream that wants to read
+# joins the one of its instance, or starts it. A read leaves this table as it starts.
+_forming: dict[tuple[ReadPool, str, int], SharedRead] = {}
+
+
 async def read_changes(
     reads: ReadPool, instance_key: str, after: stream.Position, target: int = 0
-) -> stream.Changes:
-    """What changed after `after`, through the read pool. An instance the replica does not
-    have (yet) is looked up on the primary before it counts as unknown."""
+) -> Update:
+    """What changed after `after`, through the read pool, in one read shared with the other
+    streams of the instance that ask meanwhile (see the module). An instance the replica does
+    not have (yet) is looked up on the primary before it counts as unknown."""
+    key = (reads, instance_key, target)
+    shared = _forming.get(key)
+    if shared is None:
+        shared = _forming[key] = SharedRead()
 
-    async def work(conn: AsyncConn) -> stream.Changes:
-        return await stream.stream_changes(conn, instance_key, after, target=target)
+        async def work(conn: AsyncConn) -> stream.Changes:
+            assert shared is not None
+            if _forming.get(key) is shared:
+                del _forming[key]  # from now on, a stream that asks starts another read
+            shared.low = min(shared.afters)
+            return await stream.stream_changes(conn, instance_key, shared.low, target=target)
 
+        shared.task = asyncio.ensure_future(_read_shared(reads, work, key, shared))
+        # Read by whoever still waits; when nobody does (every stream gone), consumed here.
+        shared.task.add_done_callback(_consume)
+    shared.afters.append(after)
+    assert shared.task is not None
+    # A stream that goes away stops waiting; the read goes on for the others.
+    done = await asyncio.shield(shared.task)
+    return done.update(after)
+
+
+async def _read_shared(
+    reads: ReadPool,
+    work: Callable[[AsyncConn], Awaitable[stream.Changes]],
+    key: tuple[ReadPool, str, int],
+    shared: SharedRead,
+) -> SharedRead:
     try:
-        return await reads.run(work)
-    except domain.InstanceNotReplayed:
-        return await reads.on_primary(work)
+        try:
+            changes = await reads.run(work)
+        except domain.InstanceNotReplayed:
+            changes = await reads.on_primary(work)
+    finally:
+        if _forming.get(key) is shared:  # it failed before its statement ran
+            del _forming[key]
+    return shared.done(changes)
+
+
+def _consume(task: asyncio.Future[SharedRead]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def parse_event_id(value: str, field: str) -> stream.Position:
@@ -209,7 +312,7 @@ def _frame(record: dict[str, Any]) -> bytes:
 
 
 async def events(
-    reads: ReadPool, hub: Hub, instance_key: str, first: stream.Changes, heartbeat: float
+    reads: ReadPool, hub: Hub, instance_key: str, first: Update, heartbeat: float
 ) -> AsyncIterator[bytes]:
     """The stream's body: `first` (what the handler read), then every later change."""
     loop = asyncio.get_running_loop()
@@ -224,14 +327,14 @@ async def events(
             with contextlib.suppress(DatabaseUnavailable):
                 subscription.wake(await reads.primary_position())
         covered = 0  # the highest target a read has met
-        changes: stream.Changes | None = first
+        changes: Update | None = first
         position = first.position
         last_sent = loop.time()
         read_at: float | None = None  # when to read again without a notification
         while not hub.closing:
             if changes is not None:
-                for record in changes.records:
-                    yield _frame(record)
+                if changes.frames:  # every event of the read in one write
+                    yield changes.frames
                     last_sent = loop.time()
                 position = changes.position
                 if changes.more:

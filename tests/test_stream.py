@@ -2,16 +2,25 @@
 servers, resumption by event id, several workers and service instances, and the database's
 part (the notification on commit, the transaction id of each write)."""
 
+import asyncio
+import json
 import signal
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import psycopg
 import pytest
+from prometheus_client import REGISTRY
 
+from app import live
 from app.access import new_token
+from app.data.stream import Position
+from app.db import Pool
 from app.live import LISTENER_NAME
+from app.replica import ReadPool
 from tests.helpers import (
     T1,
     T2,
@@ -433,3 +442,225 @@ def test_a_change_committed_behind_an_older_open_transaction_is_not_lost(
     stream.quiet()
     resumed = open_stream(headers={"Last-Event-ID": got[-1].id})
     resumed.quiet()
+
+
+# --- streams of one instance share their reads ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sharing_database(server_dsn: str) -> Iterator[str]:
+    """A database of this module's own for the in-process reads below: no server of the
+    session writes to it."""
+    with migrated_database(server_dsn, "steprecord_stream_share_") as url:
+        yield url
+
+
+def reads_served() -> float:
+    """Reads this process's pools have served (`steprecord_reads_total`, the primary's)."""
+    return REGISTRY.get_sample_value("steprecord_reads_total", {"pool": "primary"}) or 0.0
+
+
+def seed_records(database_url: str, key: str, slugs: list[str]) -> int:
+    with psycopg.connect(database_url) as conn:
+        instance_id = new_instance(conn, key)
+        for ordinal, slug in enumerate(slugs):
+            declare(conn, instance_id, slug, ordinal)
+    return instance_id
+
+
+def slugs_of(update: live.Update) -> list[str]:
+    """The step slugs of an update's events, in the order they would be sent."""
+    return [
+        json.loads(line.removeprefix("data: "))["step_slug"]
+        for frame in update.frames.decode().split("\n\n")
+        for line in frame.split("\n")
+        if line.startswith("data: ")
+    ]
+
+
+class HeldPool:
+    """A pool of one connection, and a way to keep that connection busy meanwhile."""
+
+    def __init__(self, url: str) -> None:
+        self.pool = Pool(url, size=1, timeout=10, statement_timeout=10, prepare_threshold=None)
+        self.reads = ReadPool(self.pool)
+        self._release = asyncio.Event()
+        self._holder: asyncio.Task[None] | None = None
+
+    async def hold(self) -> None:
+        holding = asyncio.Event()
+
+        async def held() -> None:
+            async with self.pool.connection():
+                holding.set()
+                await self._release.wait()
+
+        self._holder = asyncio.create_task(held())
+        await holding.wait()
+
+    async def release(self) -> None:
+        self._release.set()
+        assert self._holder is not None
+        await self._holder
+
+
+async def all_asking(
+    reads: ReadPool, key: str, afters: list[Position]
+) -> list[asyncio.Task[live.Update]]:
+    """One stream read per position, each started; returns once every one has asked (read
+    until it waits for the read it asked for)."""
+    asked = asyncio.Event()
+    count = [0]
+
+    async def one(after: Position) -> live.Update:
+        count[0] += 1
+        if count[0] == len(afters):
+            asked.set()
+        return await live.read_changes(reads, key, after)  # asks before this task yields
+
+    tasks = [asyncio.create_task(one(after)) for after in afters]
+    await asked.wait()
+    return tasks
+
+
+def test_streams_of_an_instance_that_read_at_once_share_one_read_and_one_pool_slot(
+    sharing_database: str,
+) -> None:
+    """A wall of dashboards opening together: with the pool's only connection busy, every
+    stream that asks joins the one read about to run, which then serves them all."""
+    slugs = [f"s{n}" for n in range(30)]
+    seed_records(sharing_database, "wall", slugs)
+
+    async def main() -> None:
+        held = HeldPool(sharing_database)
+        try:
+            await held.hold()
+            streams = await all_asking(held.reads, "wall", [(0, 0)] * 50)
+            assert held.pool.waiting == 1  # one read waits for the connection, not fifty
+            before = reads_served()
+            await held.release()
+            updates = await asyncio.gather(*streams)
+            assert reads_served() - before == 1
+            for update in updates:
+                assert slugs_of(update) == slugs  # the whole snapshot, in order, once
+                assert update.position == updates[0].position
+                assert not update.more
+        finally:
+            await held.pool.close()
+
+    asyncio.run(main())
+
+
+def test_streams_at_different_positions_sharing_a_read_each_get_what_they_have_not_seen(
+    sharing_database: str,
+) -> None:
+    instance_id = seed_records(sharing_database, "apart", ["a", "b"])
+
+    async def main() -> None:
+        held = HeldPool(sharing_database)
+        try:
+            first = await live.read_changes(held.reads, "apart", (0, 0))
+            assert slugs_of(first) == ["a", "b"]
+            with psycopg.connect(sharing_database) as conn:
+                conn.execute(
+                    "UPDATE workflow_step_record SET updated_at = now() WHERE step_slug = 'a'"
+                )
+                declare(conn, instance_id, "c", 2)
+            await held.hold()
+            fresh, resumed = await all_asking(held.reads, "apart", [(0, 0), first.position])
+            before = reads_served()
+            await held.release()
+            assert slugs_of(await fresh) == ["b", "a", "c"]  # b's write, then the later one
+            assert slugs_of(await resumed) == ["a", "c"]  # only what it has not seen
+            assert reads_served() - before == 1
+            assert (await fresh).position == (await resumed).position
+            again = await live.read_changes(held.reads, "apart", (await resumed).position)
+            assert slugs_of(again) == []
+        finally:
+            await held.pool.close()
+
+    asyncio.run(main())
+
+
+def test_many_streams_opened_at_once_on_one_pool_connection_all_get_everything(
+    server_dsn: str,
+) -> None:
+    """Streams of one instance opened together on a server with a single pool connection:
+    each gets the whole snapshot once, then every later write."""
+    count, steps = 40, 25
+    with migrated_database(server_dsn, "steprecord_stream_wall_") as url:
+        env = {"STEPRECORD_POOL_SIZE": "1", "STEPRECORD_STREAM_HEARTBEAT_SECONDS": "60"}
+        base, proc = start_server(url, env=env)
+        streams: list[Stream] = []
+        try:
+            with httpx.Client(base_url=base, timeout=WAIT) as client:
+                for n in range(steps):
+                    post(client, "declare", instance="wall", step=f"s{n}")
+                url_of = f"{base}/v1/instances/wall/stream"
+                with ThreadPoolExecutor(count) as opening:
+                    streams = list(opening.map(lambda _: Stream(url_of), range(count)))
+                for stream in streams:
+                    got = [e.record["step_slug"] for e in stream.events(steps)]
+                    assert got == [f"s{n}" for n in range(steps)]
+                post(client, "start", {"attempt": 1}, instance="wall", step="s3")
+                for stream in streams:
+                    event = stream.next_event().record
+                    assert (event["step_slug"], event["status"]) == ("s3", "running")
+        finally:
+            for stream in streams:
+                stream.close()
+            stop(proc)
+
+
+def test_streams_opened_while_writes_go_on_miss_and_repeat_nothing(
+    client: httpx.Client, open_stream: Callable[..., Stream]
+) -> None:
+    """Streams open one after another while a writer starts and completes steps: each sends
+    every step's latest state, and no state or event id twice."""
+    steps = 20
+    post(client, "declare", instance="busy", step="first")
+    streams = [open_stream("busy")]
+    writer_done = threading.Event()
+    written: list[int] = []
+
+    def write() -> None:
+        try:
+            with httpx.Client(base_url=str(client.base_url), timeout=WAIT) as writer:
+                for n in range(steps):
+                    step = f"s{n}"
+                    post(writer, "start", {"attempt": 1}, instance="busy", step=step)
+                    post(
+                        writer, "complete", {"attempt": 1, "output": n}, instance="busy", step=step
+                    )
+                    written.append(n)
+        finally:
+            writer_done.set()
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    try:
+        for n in range(1, 8):  # each stream opens after a few more steps were written
+
+            def further(n: int = n) -> bool:
+                return len(written) >= n * 2 or writer_done.is_set()
+
+            eventually(further)
+            streams.append(open_stream("busy"))
+    finally:
+        thread.join(WAIT * 3)
+    assert len(written) == steps
+    final = {(f"s{n}", "completed") for n in range(steps)}
+    for stream in streams:
+        seen: list[tuple[str, str]] = []
+        ids: list[tuple[int, int]] = []
+        while not final <= set(seen):
+            event = stream.next_event()
+            seen.append((event.record["step_slug"], event.record["status"]))
+            xid, _, record_id = event.id.partition("-")
+            ids.append((int(xid), int(record_id)))
+        stream.quiet()
+        assert len(seen) == len(set(seen)), seen  # no state sent twice
+        assert ids == sorted(set(ids))  # ids only grow: nothing repeated, nothing reordered
+        for n in range(steps):
+            if (f"s{n}", "running") in seen:  # a step's states in commit order
+                assert seen.index((f"s{n}", "running")) < seen.index((f"s{n}", "completed"))
