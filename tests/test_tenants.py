@@ -291,9 +291,15 @@ def plan(db: Any, sql: str, params: dict[str, Any]) -> str:
 
 
 def range_scanned(text: str) -> bool:
-    """The plan reads the prefix's keys as a range of an index (an Index Cond), and filters
-    no table by key afterwards."""
-    scans = [line for line in text.splitlines() if "Index Cond" in line and "~>=~" in line]
+    """The plan reads the prefix's keys as a range of an index (an Index Cond: byte-wise
+    operators on the prefix index, or plain ones on the unique index in a C-collated
+    database), and scans no table whole."""
+    scans = [
+        line
+        for line in text.splitlines()
+        if "Index Cond" in line
+        and ("instance_key ~>=~ 'acme-'" in line or "instance_key >= 'acme-'" in line)
+    ]
     return bool(scans) and any(i in text for i in PREFIX_INDEXES) and "Seq Scan" not in text
 
 
