@@ -37,8 +37,9 @@ class Settings(BaseSettings):
     # Seconds a request's statements may run (lock waits included) before they are cancelled
     # and the request answers 503.
     statement_timeout: float = Field(default=5.0, gt=0, le=600)
-    # psycopg's prepare_threshold; None keeps no server-side prepared statements (PgBouncer).
-    prepare_threshold: int | None = None
+    # psycopg's prepare_threshold: server-side prepared statements from a statement's first
+    # use (0); `none` keeps none, for PgBouncer before 1.21 in transaction mode.
+    prepare_threshold: int | None = Field(default=0, ge=0)
     # Anonymous access while no token exists also through a proxy or a public address.
     insecure_no_auth: bool = False
     # How often each worker reloads the tokens (revocations take effect within this time).
@@ -56,6 +57,11 @@ class Settings(BaseSettings):
     # The dashboard links each attempt to its trace: a URL template containing `{trace_id}`
     # (e.g. `https://jaeger.example/trace/{trace_id}`); unset: the trace id shown as text.
     trace_url: str | None = None
+
+    @field_validator("prepare_threshold", mode="before")
+    @classmethod
+    def _none(cls, value: object) -> object:
+        return None if isinstance(value, str) and value.strip().lower() == "none" else value
 
     @field_validator("retention", mode="before")
     @classmethod

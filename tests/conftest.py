@@ -19,6 +19,7 @@ from playwright.sync_api import Browser
 from app.cli import migrate
 from app.embedded import EmbeddedPostgres
 from tests.helpers import (
+    BEHIND_PGBOUNCER,
     Stream,
     chromium_browser,
     create_database,
@@ -97,6 +98,7 @@ def server_url(database_url: str) -> Iterator[str]:
         env = {"STEPRECORD_SWEEP_SECONDS": "0.2", "STEPRECORD_STREAM_HEARTBEAT_SECONDS": "0.3"}
         if os.environ.get("STEPRECORD_TEST_PGBOUNCER") == "1":
             url, extra = stack.enter_context(pgbouncer(database_url)), ("--workers", "2")
+            env |= BEHIND_PGBOUNCER
             env["STEPRECORD_LISTEN_URL"] = database_url  # LISTEN needs a session of its own
         base, proc = start_server(url, *extra, env=env)
         try:

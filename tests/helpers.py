@@ -353,6 +353,11 @@ def start_server(
     return url, proc
 
 
+# What a service behind the PgBouncer below needs: no server-side prepared statements, which
+# PgBouncer before 1.21 (Debian 12 has 1.18) does not carry across transactions.
+BEHIND_PGBOUNCER = {"STEPRECORD_PREPARE_THRESHOLD": "none"}
+
+
 @contextmanager
 def pgbouncer(database_url: str) -> Iterator[str]:
     """PgBouncer in transaction pool mode in front of the database; yields its URL."""

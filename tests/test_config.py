@@ -2,8 +2,9 @@
 
 import pytest
 from psycopg.conninfo import conninfo_to_dict
+from pydantic import ValidationError
 
-from app.config import redact
+from app.config import Settings, redact
 
 FORMS = {
     "url userinfo": "postgresql://app:s3cret@db.internal:5432/steps",
@@ -44,3 +45,17 @@ def test_redacting_an_unparseable_string_shows_none_of_it() -> None:
     shown = redact("postgresql://app:s3cret@db.internal/steps?nonsense=1")
     assert "s3cret" not in shown
     assert "db.internal" not in shown
+
+
+def test_prepared_statements_are_on_by_default_and_none_turns_them_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("STEPRECORD_PREPARE_THRESHOLD", raising=False)
+    assert Settings().prepare_threshold == 0  # from a statement's first use
+    for value, expected in [("none", None), ("None", None), ("5", 5)]:
+        monkeypatch.setenv("STEPRECORD_PREPARE_THRESHOLD", value)
+        assert Settings().prepare_threshold == expected
+    for refused in ("-1", "off", ""):
+        monkeypatch.setenv("STEPRECORD_PREPARE_THRESHOLD", refused)
+        with pytest.raises(ValidationError):
+            Settings()

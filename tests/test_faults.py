@@ -23,6 +23,7 @@ import pytest
 
 from app.access import new_token
 from tests.helpers import (
+    BEHIND_PGBOUNCER,
     ROOT,
     eventually,
     free_port,
@@ -153,7 +154,8 @@ def test_held_row_lock_behind_pgbouncer_is_cancelled_in_the_server(
     own_database: str, watcher: Watcher
 ) -> None:
     key = "bounced-" + uuid.uuid4().hex[:8]
-    with pgbouncer(own_database) as bounced, serving(bounced, "--workers", "2", env=BOUNDED) as url:
+    env = BOUNDED | BEHIND_PGBOUNCER
+    with pgbouncer(own_database) as bounced, serving(bounced, "--workers", "2", env=env) as url:
         assert httpx.post(f"{url}/v1/instances/{key}/steps/a/start").status_code == 201
         with row_locked(own_database, key, "a"):
             response, seconds, _ = complete_while_locked(url, key, watcher)

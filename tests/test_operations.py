@@ -16,7 +16,15 @@ import httpx
 import psycopg
 import pytest
 
-from tests.helpers import counter, eventually, lock_waits, pgbouncer, start_server, stop
+from tests.helpers import (
+    BEHIND_PGBOUNCER,
+    counter,
+    eventually,
+    lock_waits,
+    pgbouncer,
+    start_server,
+    stop,
+)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +171,7 @@ def test_sigterm_finishes_in_flight_requests(own_database: str, workers: str) ->
 )
 def test_works_behind_pgbouncer_in_transaction_mode(own_database: str) -> None:
     with pgbouncer(own_database) as bounced:
-        url, proc = start_server(bounced, "--workers", "2")
+        url, proc = start_server(bounced, "--workers", "2", env=BEHIND_PGBOUNCER)
         try:
             key = "pgb-" + uuid.uuid4().hex[:8]
             with httpx.Client(base_url=url, timeout=30) as client:

@@ -19,7 +19,16 @@ from app.cli import migrate
 from app.data.operations import MIGRATION_LOCK
 from app.embedded import EmbeddedPostgres
 from app.main import create_app, schema_head
-from tests.helpers import ROOT, free_port, pgbouncer, start_server, stop, wait_ready
+from tests.helpers import (
+    BEHIND_PGBOUNCER,
+    ROOT,
+    free_port,
+    migrated_database,
+    pgbouncer,
+    start_server,
+    stop,
+    wait_ready,
+)
 
 
 def serve_embedded(data_dir: Path, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
@@ -305,10 +314,10 @@ def test_times_are_answered_in_utc_whatever_the_database_time_zone(
         conn.execute(f"ALTER DATABASE {conn.info.dbname} SET TimeZone = 'America/St_Johns'")
     migrate(scratch_database)
     with ExitStack() as stack:
-        url = scratch_database
+        url, env = scratch_database, {}
         if through == "pgbouncer":
-            url = stack.enter_context(pgbouncer(scratch_database))
-        base, proc = start_server(url, "--workers", "2")
+            url, env = stack.enter_context(pgbouncer(scratch_database)), BEHIND_PGBOUNCER
+        base, proc = start_server(url, "--workers", "2", env=env)
         stack.callback(stop, proc)
         body = {"attempt": 1, "started_at": "2026-12-02T10:00:00.5+02:00"}
         event = {"instance_key": "tz", "step_slug": "a", "kind": "start", **body}
@@ -328,3 +337,74 @@ def test_times_are_answered_in_utc_whatever_the_database_time_zone(
                 assert record["updated_at"].endswith("Z")
             with psycopg.connect(url, autocommit=True) as other:
                 assert other.execute("SHOW TimeZone").fetchone() == ("America/St_Johns",)
+
+
+# Server times (`created_at`, `updated_at`, a lease's end) and the cursors that carry them
+# differ between two runs; everything else of every answer must not.
+SERVER_TIMES = {"created_at", "updated_at", "lease_expires_at", "next_cursor"}
+
+
+def without_server_times(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: without_server_times(v) for k, v in value.items() if k not in SERVER_TIMES}
+    if isinstance(value, list):
+        return [without_server_times(v) for v in value]
+    return value
+
+
+def conversation(base: str) -> list[tuple[int, object]]:
+    """Every kind of write and read, accepted and refused, each asked three times (so a
+    statement prepared on its first use answers the later ones)."""
+    at = {"started_at": "2026-12-02T10:00:00Z"}
+    done = {**at, "completed_at": "2026-12-02T10:00:01Z"}
+    step = f"{base}/v1/instances/prep-1/steps"
+    calls: list[tuple[str, str, object]] = [
+        ("POST", f"{step}/a/start", {"attempt": 1, **at, "lease_seconds": 60}),
+        ("POST", f"{step}/a/heartbeat", {"attempt": 1, "lease_seconds": 60}),
+        ("POST", f"{step}/a/complete", {"attempt": 1, **done, "output": {"n": 1}}),
+        ("POST", f"{step}/a/complete", {"attempt": 1, **done, "output": {"n": 2}}),
+        ("POST", f"{step}/b/fail", {"attempt": 2, **done, "error_code": "E"}),
+        ("POST", f"{step}/b/start", {"attempt": 1, **at}),
+        ("POST", f"{step}/c/declare", {"ordinal": 0}),
+        ("POST", f"{step}/d/complete", {"attempt": 1}),
+        ("POST", f"{step}/e/start", {"attempt": 0}),
+        (
+            "POST",
+            f"{base}/v1/events",
+            {
+                "events": [
+                    {"instance_key": "prep-2", "step_slug": "x", "kind": "start", **at},
+                    {"instance_key": "prep-2", "step_slug": "x", "kind": "complete", **done},
+                    {"instance_key": "prep-2", "step_slug": "bad slug", "kind": "start"},
+                ]
+            },
+        ),
+        ("GET", f"{step}?limit=1", None),
+        ("GET", f"{step}?order=started_at&status=completed,failed", None),
+        ("GET", f"{step}/a", None),
+        ("GET", f"{step}/a/attempts", None),
+        ("GET", f"{base}/v1/instances/prep-1", None),
+        ("GET", f"{base}/v1/instances", None),
+        ("GET", f"{base}/v1/steps?status=failed", None),
+        ("GET", f"{base}/v1/instances/prep-404/steps", None),
+    ]
+    answers = []
+    with httpx.Client(timeout=30) as client:
+        for _ in range(3):
+            for method, url, body in calls:
+                response = client.request(method, url, json=body)
+                answers.append((response.status_code, without_server_times(response.json())))
+    return answers
+
+
+def test_answers_are_the_same_with_and_without_prepared_statements(server_dsn: str) -> None:
+    answers = []
+    for env in ({}, BEHIND_PGBOUNCER):  # the default prepares statements; `none` does not
+        with migrated_database(server_dsn, "steprecord_prepared_") as url:
+            base, proc = start_server(url, env=env)
+            try:
+                answers.append(conversation(base))
+            finally:
+                stop(proc)
+    assert answers[0] == answers[1]
+    assert {status for status, _ in answers[0]} >= {200, 201, 404, 409, 422}

@@ -360,10 +360,17 @@ def limit_batch_script(path: Path, size: int = BATCH_SIZE) -> Path:
     event's value; the trailing trace id keeps its default, NULL). Instances and slugs are
     those of batch.sql, so the limit and the least SQL write the same rows."""
     half = size // 2
-    # Event n: a start of this run's step g (n < half) or a complete of the previous run's.
-    events = [(":r", g) for g in range(1, half + 1)] + [(":prev", g) for g in range(1, half + 1)]
-    keys = [f"'b' || (({run} + {g} * 7919) % :instances + 1)" for run, g in events]
-    slugs = [f"'s' || :client_id || '-' || {run} || '-' || {g}" for run, g in events]
+    # Event n (1-based): a start of this run's step g = n (n <= half), or a complete of the
+    # previous run's step g = n - half. Built from a series, so that the statement has a few
+    # parameters (pgbench's extended and prepared protocols take at most 256), not hundreds.
+    run = f"CASE WHEN n <= {half} THEN :r::bigint ELSE :prev::bigint END"
+    step = f"((n - 1) % {half} + 1)"
+
+    def series(element: str) -> str:
+        return f"ARRAY(SELECT {element} FROM generate_series(1, {size}) n ORDER BY n)"
+
+    keys = series(f"'b' || (({run} + {step} * 7919) % :instances::bigint + 1)")
+    slugs = series(f"'s' || :client_id::int || '-' || {run} || '-' || {step}")
 
     def array(items: Sequence[str], cast: str) -> str:
         return f"ARRAY[{', '.join(items)}]::{cast}[]"
@@ -374,8 +381,8 @@ def limit_batch_script(path: Path, size: int = BATCH_SIZE) -> Path:
     output = """'{"a":1,"b":"x","n":123}'"""
     arguments = [
         array([str(i) for i in range(size)], "int"),
-        array(keys, "text"),
-        array(slugs, "text"),
+        keys,
+        slugs,
         array(["'start'"] * half + ["'complete'"] * half, "text"),
         array(["1"] * size, "bigint"),
         array(["now()"] * size, "timestamptz"),  # started_at
@@ -1029,7 +1036,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="clients of the read loads (1: the latency of a request, not of a queue)",
     )
     parser.add_argument(
-        "--pgbench-protocol", choices=("simple", "extended", "prepared"), default="simple"
+        "--pgbench-protocol",
+        choices=("simple", "extended", "prepared"),
+        default="prepared",
+        help="pgbench's query protocol (prepared: as the service, which prepares its statements)",
     )
     parser.add_argument(
         "--token", action="store_true", help="create a write token; every request carries it"
