@@ -105,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
             medians[name] = {side: run.median_of(rounds[side]) for side in SIDES}
     settings = " ".join(f"{k}={v}" for k, v in added.items())
     print("\n".join(header))
-    print(f"command:    python -m tests.bench.setting {' '.join(sys.argv[1:])}")
     print(f"\n{'load, 16 connections':<22} {'as is':>22} {'with ' + settings:>40}")
     for name, by_side in medians.items():
         cells = []
