@@ -56,6 +56,19 @@ def check_write(scope: Scope, instance_keys: list[str]) -> None:
     )
 
 
+def check_unscoped(scope: Scope, why: str) -> None:
+    """Refuse (403 `forbidden`) a token with a key prefix where the answer covers every
+    instance and cannot be narrowed to the prefix."""
+    prefix = prefix_of(scope)
+    if prefix is not None:
+        raise Problem(
+            403,
+            "forbidden",
+            f"{why}, and this token reaches only instances whose key starts with {prefix!r}:"
+            " use a token without a prefix",
+        )
+
+
 def _batch(outside: list[str]) -> str:
     more = len(outside) - 1
     return f"instance {outside[0]!r}" + (f" and {more} more outside it" if more else "")

@@ -413,6 +413,7 @@ async def _across(request: Request, *, failed: bool) -> list[dict[str, Any]]:
     async with read_connection(request) as conn:
         page = await reads.list_recent(
             conn,
+            prefix=tenancy.prefix_of(request.scope),
             statuses=["failed"] if failed else ["running"],
             updated_after=None,
             lease_expired=not failed,

@@ -212,9 +212,24 @@ def test_the_dashboard_shows_only_the_prefix(world: Tenants) -> None:
         page = world.every("GET", "/ui", cookie, params={"prefix": wanted}).text
         for key in ("acme-1", "acme-2", "globex-1"):
             assert (f">{key}</a>" in page) == (key in shown), (wanted, key)
+    for key in ("acme-1", "globex-1"):
+        failed = {"attempt": 1, "error_code": "Declined"}
+        assert world.send("POST", f"/v1/instances/{key}/steps/a/fail", world.admin, json=failed)
+    failing = world.every("GET", "/ui/failing", cookie).text
+    assert "acme-1" in failing
+    assert "globex-1" not in failing
     for path in ("/ui/instances/globex-1", "/ui/instances/globex-1/steps/a"):
         assert world.every("GET", path, cookie).status_code == 404
         assert world.every("GET", path.replace("globex", "acme"), cookie).status_code == 200
+
+
+def test_the_metrics_which_count_every_instance_need_a_token_without_a_prefix(
+    world: Tenants,
+) -> None:
+    refused = world.every("GET", "/metrics", world.acme_read)
+    assert (refused.status_code, refused.json()["code"]) == (403, "forbidden")
+    assert "use a token without a prefix" in refused.json()["detail"]
+    assert world.send("GET", "/metrics", world.admin).status_code == 200
 
 
 def test_prefixed_tokens_reach_every_worker_when_created_and_revoked(world: Tenants) -> None:

@@ -3,7 +3,7 @@
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from app import observe, schemas
+from app import observe, schemas, tenancy
 from app.data import operations
 from app.errors import Problem
 from app.routes.common import KnownQuery, json_response, primary_pool
@@ -18,7 +18,8 @@ router = APIRouter(route_class=KnownQuery)
     response_class=Response,
     responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}},
 )
-async def metrics() -> Response:
+async def metrics(request: Request) -> Response:
+    tenancy.check_unscoped(request.scope, "the metrics count the work of every instance")
     body, content_type = observe.render()
     return Response(body, media_type=content_type)
 
