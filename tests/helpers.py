@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import httpx
 import psycopg
+import pytest
 from playwright.sync_api import Browser, sync_playwright
 
 from app.cli import migrate
@@ -359,6 +360,20 @@ BEHIND_PGBOUNCER = {"STEPRECORD_PREPARE_THRESHOLD": "none"}
 
 
 @contextmanager
+def logged_server(
+    database_url: str, log: Path, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """`start_server` with its stdout (the JSON log lines) written to `log`; yields its URL
+    and stops it on the way out."""
+    with log.open("wb") as out:
+        url, proc = start_server(database_url, *extra, env=env, stdout=out)
+    try:
+        yield url
+    finally:
+        stop(proc)
+
+
+@contextmanager
 def pgbouncer(database_url: str) -> Iterator[str]:
     """PgBouncer in transaction pool mode in front of the database; yields its URL."""
     info = psycopg.conninfo.conninfo_to_dict(database_url)
@@ -578,3 +593,22 @@ def otlp_receiver() -> Iterator[OtlpReceiver]:
         server.shutdown()
         server.server_close()
         thread.join(10)
+
+
+def require_celery_services() -> None:
+    """Skip (fail in CI) unless RabbitMQ (the broker) and Redis (the results) answer on
+    127.0.0.1, as every Celery test needs them."""
+
+    def answers(port: int) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+    missing = [name for name, port in (("RabbitMQ", 5672), ("Redis", 6379)) if not answers(port)]
+    if missing:
+        reason = f"{' and '.join(missing)} not answering on 127.0.0.1: Celery tests need them"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)

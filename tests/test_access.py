@@ -4,7 +4,6 @@ import os
 import socket
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,10 +18,10 @@ from app.main import alembic_config
 from tests.helpers import (
     ROOT,
     access_loaded,
-    create_database,
-    drop_database,
     eventually,
     free_port,
+    logged_server,
+    migrated_database,
     start_server,
     steprecord,
     stop,
@@ -55,22 +54,11 @@ def reloaded(url: str, tokens: int, *, anonymous: bool = False) -> None:
 def shared_server(
     server_dsn: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, str]]:
-    name = "steprecord_access_" + uuid.uuid4().hex[:8]
-    database_url = create_database(server_dsn, name)
-    try:
-        migrate(database_url)
+    with migrated_database(server_dsn, "steprecord_access_") as database_url:
         log = tmp_path_factory.mktemp("access") / "stdout.jsonl"
-        with log.open("wb") as out:
-            url, proc = start_server(
-                database_url, "--workers", str(WORKERS), env=REFRESH, stdout=out
-            )
-        LOGS[url] = log
-        try:
+        with logged_server(database_url, log, "--workers", str(WORKERS), env=REFRESH) as url:
+            LOGS[url] = log
             yield url, database_url
-        finally:
-            stop(proc)
-    finally:
-        drop_database(server_dsn, name)
 
 
 @pytest.fixture

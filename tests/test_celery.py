@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ from steprecord_client.celery import record_celery, step_slug_for
 
 from tests import celery_tasks
 from tests.celery_tasks import app
-from tests.helpers import start_server, stop, wait_for
+from tests.helpers import require_celery_services, start_server, stop, wait_for
 
 BROKER = "amqp://guest:guest@127.0.0.1:5672//"
 BACKEND = "redis://127.0.0.1:6379/7"
@@ -40,23 +39,10 @@ ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 
-def _answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _broker() -> None:
     """RabbitMQ and Redis must answer; the test process sends to the broker, reads results."""
-    missing = [name for name, port in (("RabbitMQ", 5672), ("Redis", 6379)) if not _answers(port)]
-    if missing:
-        reason = f"{' and '.join(missing)} not answering on 127.0.0.1: Celery tests need them"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
+    require_celery_services()
     app.conf.update(broker_url=BROKER, result_backend=BACKEND)
 
 

@@ -4,7 +4,6 @@ One server with two workers and a database of this module's own: every answer is
 both workers (each keeps its own view of the tokens).
 """
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,17 +12,14 @@ import httpx
 import psycopg
 import pytest
 
-from app.cli import migrate
 from app.data import reads
 from app.models import STATUSES
 from tests.helpers import (
     access_loaded,
-    create_database,
-    drop_database,
     eventually,
-    start_server,
+    logged_server,
+    migrated_database,
     steprecord,
-    stop,
 )
 
 WORKERS = 2
@@ -63,21 +59,10 @@ class Tenants:
 
 @pytest.fixture(scope="module")
 def tenants(server_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenants]:
-    name = "steprecord_tenants_" + uuid.uuid4().hex[:8]
-    database_url = create_database(server_dsn, name)
-    try:
-        migrate(database_url)
+    with migrated_database(server_dsn, "steprecord_tenants_") as database_url:
         log = tmp_path_factory.mktemp("tenants") / "stdout.jsonl"
-        with log.open("wb") as out:
-            url, proc = start_server(
-                database_url, "--workers", str(WORKERS), env=REFRESH, stdout=out
-            )
-        try:
+        with logged_server(database_url, log, "--workers", str(WORKERS), env=REFRESH) as url:
             yield Tenants(url, database_url, log)
-        finally:
-            stop(proc)
-    finally:
-        drop_database(server_dsn, name)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -44,6 +43,7 @@ from tests.helpers import (
     attempts,
     free_port,
     otlp_receiver,
+    require_celery_services,
     start_server,
     steprecord,
     stop,
@@ -526,22 +526,9 @@ def test_the_async_client_sends_the_trace_context_of_the_current_span(
 # --- Celery ----------------------------------------------------------------------------------
 
 
-def _answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def broker() -> None:
-    missing = [name for name, port in (("RabbitMQ", 5672), ("Redis", 6379)) if not _answers(port)]
-    if missing:
-        reason = f"{' and '.join(missing)} not answering on 127.0.0.1: Celery tests need them"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
+    require_celery_services()
 
 
 @contextmanager
