@@ -4,16 +4,19 @@ Run from the repository root: `.venv/bin/python -m tests.bench.cpu [--rounds N] 
 On a machine the loads saturate, the ratio of two throughputs is the inverse ratio of the CPU
 each spends per operation; this splits that CPU by process kind (the service's workers,
 PostgreSQL's backends, the load generator), so a missed ratio shows what is in the way.
-It runs `batch.lua`, `batch.sql` and `batch_judge.sql` (pgbench passing the same batches to the
-service's merge function), then `reads.lua` against the service and against `floor.py` (the
-same read with no framework or features), and the read query, at 16 connections as `run.py`
-does, in alternating rounds, and prints the CPU time per operation of each.
+It runs `events.lua`, `limit_events.sql` (pgbench passing the same single events to the
+service's judge function) and `events.sql` (the least SQL); `batch.lua`, `batch.sql` and
+`batch_judge.sql` (the same batches to the merge function); then `reads.lua` against the
+service and against `floor.py` (the same read with no framework or features), and the read
+query; at 16 connections, with pgbench preparing its statements as the service does and as
+`run.py` does, in alternating rounds, and prints the CPU time per operation of each.
 Linux only (it reads /proc).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import sys
@@ -30,6 +33,8 @@ TICK = os.sysconf("SC_CLK_TCK")
 # A bare ASGI app doing only what a page read needs (floor.py): what the service costs beyond it
 # is its framework's and its features'.
 FLOOR = "tests.bench.floor:app"
+# pgbench prepares its statements, as the service does (and as run.py's limit rows do).
+PROTOCOL = "prepared"
 
 
 def _stat(pid: str) -> tuple[str, int, float, float] | None:
@@ -61,8 +66,11 @@ def snapshot(service_root: int) -> dict[str, float]:
     return totals
 
 
-def measured(service_root: int, load: Callable[[], Load]) -> tuple[Load, dict[str, float]]:
-    """The load, and CPU seconds per operation of each process kind while it ran."""
+def measured(
+    service_root: int, load: Callable[[], Load], *, per_event: bool = False
+) -> tuple[Load, dict[str, float]]:
+    """The load, and CPU seconds per operation (a request, a pgbench script run; with
+    `per_event`, an event) of each process kind while it ran."""
     before = snapshot(service_root)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
@@ -70,7 +78,8 @@ def measured(service_root: int, load: Callable[[], Load]) -> tuple[Load, dict[st
     elapsed = time.monotonic() - started
     after = snapshot(service_root)
     children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    operations = max(result.rate * elapsed, 1.0)
+    rate = result.events_per_s if per_event else result.rate
+    operations = max(rate * elapsed, 1.0)
     spent = {kind: (after[kind] - before[kind]) / operations for kind in after}
     spent["load generator"] = (
         children_after.ru_utime + children_after.ru_stime - children.ru_utime - children.ru_stime
@@ -98,7 +107,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=4, help="seconds per round (4)")
+    parser.add_argument(
+        "--loads",
+        default="single,batch,reads",
+        help="which loads, comma-separated (single,batch,reads)",
+    )
     args = parser.parse_args()
+    loads = set(args.loads.split(","))
+    if not loads or loads - {"single", "batch", "reads"}:
+        parser.error("--loads takes single, batch and reads, comma-separated")
     with (
         tempfile.TemporaryDirectory(prefix="steprecord-bench-") as tmp_name,
         run.postgres_server(Path(tmp_name)) as server,
@@ -106,61 +123,112 @@ def main() -> int:
         run.service(dsn, Path(tmp_name) / "service.log") as base,
         run.service(dsn, Path(tmp_name) / "floor.log", FLOOR) as floor_base,
     ):
-        root, floor_root = run.service_pid(base), run.service_pid(floor_base)
+        root = run.service_pid(base)
         bench = run.Bench(
-            dsn, base, dsn, base, Path(tmp_name), args.duration, 2, 16, 8, 1, "simple"
+            dsn, base, dsn, base, Path(tmp_name), args.duration, 2, 16, 8, 1, PROTOCOL
         )
         print("\n".join(run.machine(dsn)), file=sys.stderr)
         errors: list[Load] = []
-        print("batches of 100 events (events/s), 16 connections: CPU ms per batch")
-        bench.warm_up("batch", "batch.lua", 16, run.BATCH_SIZE)
-        for _ in range(args.rounds):
-            served = measured(
-                root, lambda: bench.service_writes("batch.lua", 16, run.BATCH_SIZE, args.duration)
-            )
-            direct = measured(
-                root,
-                lambda: bench.pgbench_writes(
-                    "batch.sql", run.BATCH_SIZE, args.duration, size=run.BATCH_SIZE
-                ),
-            )
-            judge = measured(
-                root,
-                lambda: bench.pgbench_writes(
-                    "batch_judge.sql", run.BATCH_SIZE, args.duration, size=run.BATCH_SIZE
-                ),
-            )
-            print(line("service", *served, 1e3, "ms"), flush=True)
-            print(line("pgbench", *direct, 1e3, "ms"), flush=True)
-            print(line("judge", *judge, 1e3, "ms"), flush=True)
-            errors += [load for load, _ in (served, direct, judge) if load.errors]
-        print("first pages of 100 records (reads/s), 10^4 records, 16 connections: CPU us per read")
-        run.load_read_table(dsn, run.SMALL_TABLE)
-        instances = run.SMALL_TABLE // run.STEPS_PER_INSTANCE
-        script = run.read_script("ordinal", Path(tmp_name) / "read.sql")
-        args_lua = ["r", instances, "ordinal", run.READ_LIMIT]
-        same_page(base, floor_base)
-        run.wrk(base, "reads.lua", 16, 2, args_lua, 1)
-        run.wrk(floor_base, "reads.lua", 16, 2, args_lua, 1)
-        for _ in range(args.rounds):
-            served = measured(
-                root, lambda: run.wrk(base, "reads.lua", 16, args.duration, args_lua, 1)
-            )
-            bare = measured(
-                floor_root,
-                lambda: run.wrk(floor_base, "reads.lua", 16, args.duration, args_lua, 1),
-            )
-            direct = measured(
-                root,
-                lambda: run.pgbench(
-                    dsn, script, 16, args.duration, {"instances": instances}, 1, "simple"
-                ),
-            )
-            print(line("service", *served, 1e6, "us"), flush=True)
-            print(line("floor", *bare, 1e6, "us"), flush=True)
-            print(line("pgbench", *direct, 1e6, "us"), flush=True)
-            errors += [load for load, _ in (served, bare, direct) if load.errors]
+        if "single" in loads:
+            errors += single_events(bench, base, floor_base, args.rounds, args.duration)
+        if "batch" in loads:
+            errors += batches(bench, root, args.rounds, args.duration)
+        if "reads" in loads:
+            errors += reads(bench, base, floor_base, args.rounds, args.duration)
     return 1 if errors else 0
+
+
+def same_event(base: str, floor_base: str) -> None:
+    """The floor answers an event as the service does: a start the floor recorded, sent again
+    to the service, is a replay that answers the very record the floor answered."""
+    path = f"/v1/instances/floor-check/steps/s{time.time_ns()}/start"
+    body = b'{"attempt":1,"started_at":"2026-12-05T10:00:00Z"}'
+    answers = []
+    for url in (floor_base, base):
+        request = urllib.request.Request(url + path, body, method="POST")
+        request.add_header("Content-Type", "application/json")
+        answers.append(urllib.request.urlopen(request).read())
+    if answers[0] != answers[1]:
+        raise RuntimeError(f"the floor's answer to an event differs from the service's:\n{answers}")
+
+
+def single_events(
+    bench: run.Bench, base: str, floor_base: str, rounds: int, duration: float
+) -> list[Load]:
+    print("single events (events/s), 16 connections: CPU us per event")
+    errors: list[Load] = []
+    root, floor_root = run.service_pid(base), run.service_pid(floor_base)
+    same_event(base, floor_base)
+    bench.warm_up("single", "events.lua", 16)
+    floor = dataclasses.replace(bench, base=floor_base)
+    for _ in range(rounds):
+        served = measured(
+            root, lambda: bench.service_writes("events.lua", 16, 1, duration), per_event=True
+        )
+        bare = measured(
+            floor_root, lambda: floor.service_writes("events.lua", 16, 1, duration), per_event=True
+        )
+        limit = measured(
+            root, lambda: bench.pgbench_writes("limit_events.sql", 2, duration), per_event=True
+        )
+        least = measured(
+            root, lambda: bench.pgbench_writes("events.sql", 2, duration), per_event=True
+        )
+        print(line("service", *served, 1e6, "us"), flush=True)
+        print(line("floor", *bare, 1e6, "us"), flush=True)
+        print(line("limit", *limit, 1e6, "us"), flush=True)
+        print(line("least", *least, 1e6, "us"), flush=True)
+        errors += [load for load, _ in (served, bare, limit, least) if load.errors]
+    return errors
+
+
+def batches(bench: run.Bench, root: int, rounds: int, duration: float) -> list[Load]:
+    print("batches of 100 events (events/s), 16 connections: CPU ms per batch")
+    errors: list[Load] = []
+    size = run.BATCH_SIZE
+    bench.warm_up("batch", "batch.lua", 16, size)
+    for _ in range(rounds):
+        served = measured(root, lambda: bench.service_writes("batch.lua", 16, size, duration))
+        direct = measured(
+            root, lambda: bench.pgbench_writes("batch.sql", size, duration, size=size)
+        )
+        judge = measured(
+            root, lambda: bench.pgbench_writes("batch_judge.sql", size, duration, size=size)
+        )
+        print(line("service", *served, 1e3, "ms"), flush=True)
+        print(line("pgbench", *direct, 1e3, "ms"), flush=True)
+        print(line("judge", *judge, 1e3, "ms"), flush=True)
+        errors += [load for load, _ in (served, direct, judge) if load.errors]
+    return errors
+
+
+def reads(bench: run.Bench, base: str, floor_base: str, rounds: int, duration: float) -> list[Load]:
+    print("first pages of 100 records (reads/s), 10^4 records, 16 connections: CPU us per read")
+    errors: list[Load] = []
+    root, floor_root = run.service_pid(base), run.service_pid(floor_base)
+    run.load_read_table(bench.dsn, run.SMALL_TABLE)
+    instances = run.SMALL_TABLE // run.STEPS_PER_INSTANCE
+    script = run.read_script("ordinal", bench.tmp / "read.sql")
+    args_lua = ["r", instances, "ordinal", run.READ_LIMIT]
+    same_page(base, floor_base)
+    run.wrk(base, "reads.lua", 16, 2, args_lua, 1)
+    run.wrk(floor_base, "reads.lua", 16, 2, args_lua, 1)
+    for _ in range(rounds):
+        served = measured(root, lambda: run.wrk(base, "reads.lua", 16, duration, args_lua, 1))
+        bare = measured(
+            floor_root, lambda: run.wrk(floor_base, "reads.lua", 16, duration, args_lua, 1)
+        )
+        direct = measured(
+            root,
+            lambda: run.pgbench(
+                bench.dsn, script, 16, duration, {"instances": instances}, 1, PROTOCOL
+            ),
+        )
+        print(line("service", *served, 1e6, "us"), flush=True)
+        print(line("floor", *bare, 1e6, "us"), flush=True)
+        print(line("pgbench", *direct, 1e6, "us"), flush=True)
+        errors += [load for load, _ in (served, bare, direct) if load.errors]
+    return errors
 
 
 if __name__ == "__main__":
