@@ -4,12 +4,13 @@ Run from the repository root: `.venv/bin/python -m tests.bench.cpu [--rounds N] 
 On a machine the loads saturate, the ratio of two throughputs is the inverse ratio of the CPU
 each spends per operation; this splits that CPU by process kind (the service's workers,
 PostgreSQL's backends, the load generator), so a missed ratio shows what is in the way.
-It runs `events.lua`, `limit_events.sql` (pgbench passing the same single events to the
-service's judge function) and `events.sql` (the least SQL); `batch.lua`, `batch.sql` and
-`batch_judge.sql` (the same batches to the merge function); then `reads.lua` against the
-service and against `floor.py` (the same read with no framework or features), and the read
-query; at 16 connections, with pgbench preparing its statements as the service does and as
-`run.py` does, in alternating rounds, and prints the CPU time per operation of each.
+It runs `events.lua` against the service and against `floor.py` (the same work with no
+framework or features), `limit_events.sql` (pgbench passing the same events to the service's
+judge function) and `events.sql` (the least SQL); `batch.lua`, the limit of a batch
+(`run.limit_batch_script`: the same batches to the merge function) and `batch.sql`; then
+`reads.lua` against the service and the floor, and the page's query; at 16 connections,
+with pgbench preparing its statements as the service does (and as `run.py` does), in
+alternating rounds, and prints the CPU time per operation of each.
 Linux only (it reads /proc).
 """
 
@@ -186,19 +187,18 @@ def batches(bench: run.Bench, root: int, rounds: int, duration: float) -> list[L
     print("batches of 100 events (events/s), 16 connections: CPU ms per batch")
     errors: list[Load] = []
     size = run.BATCH_SIZE
+    limit = run.limit_batch_script(bench.tmp / "limit_batch.sql", size)
     bench.warm_up("batch", "batch.lua", 16, size)
     for _ in range(rounds):
         served = measured(root, lambda: bench.service_writes("batch.lua", 16, size, duration))
         direct = measured(
             root, lambda: bench.pgbench_writes("batch.sql", size, duration, size=size)
         )
-        judge = measured(
-            root, lambda: bench.pgbench_writes("batch_judge.sql", size, duration, size=size)
-        )
+        judged = measured(root, lambda: bench.pgbench_writes(limit, size, duration))
         print(line("service", *served, 1e3, "ms"), flush=True)
-        print(line("pgbench", *direct, 1e3, "ms"), flush=True)
-        print(line("judge", *judge, 1e3, "ms"), flush=True)
-        errors += [load for load, _ in (served, direct, judge) if load.errors]
+        print(line("limit", *judged, 1e3, "ms"), flush=True)
+        print(line("least", *direct, 1e3, "ms"), flush=True)
+        errors += [load for load, _ in (served, direct, judged) if load.errors]
     return errors
 
 
