@@ -52,7 +52,7 @@ from typing import Any, Self
 import psycopg
 from psycopg.rows import dict_row
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import domain
 from app.data import replication, stream
@@ -80,6 +80,12 @@ EVENT_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,19})")
 MAX_XID8 = 2**64 - 1
 MAX_ID = 2**63 - 1
 KEEPALIVE = b": keepalive\n\n"
+# Streams a worker opens at a time. A wall of dashboards reconnecting after a deploy opens a
+# thousand at once, and each costs the worker's one event loop about half a millisecond of
+# work (the request, the snapshot, the answer's start); the writes that arrive meanwhile
+# would wait behind all of it. Beyond this many, a stream waits its turn before any of that
+# work, so a write waits behind at most this many openings.
+OPENING_AT_ONCE = 16
 
 
 class Subscription:
@@ -399,6 +405,40 @@ class EventStream(StreamingResponse):
             aclose = getattr(self._body, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+
+class Openings:
+    """ASGI middleware: at most `OPENING_AT_ONCE` streams of this worker between their request
+    and the start of their answer; the others wait, in order of arrival. None is refused: a
+    stream that waits costs nothing but its connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self._slots = asyncio.Semaphore(OPENING_AT_ONCE)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not _is_stream(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        await self._slots.acquire()
+        held = True
+
+        async def started(message: Message) -> None:
+            nonlocal held
+            if held and message["type"] == "http.response.start":
+                held = False
+                self._slots.release()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, started)
+        finally:
+            if held:
+                self._slots.release()
+
+
+def _is_stream(path: str) -> bool:
+    return path.startswith("/v1/instances/") and path.endswith("/stream")
 
 
 @contextlib.contextmanager

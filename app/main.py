@@ -142,6 +142,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     app.add_middleware(AccessControl)
     app.add_middleware(Observe)
+    app.add_middleware(live.Openings)  # streams opening at once wait their turn, outside all
     # Server spans, outside every other middleware, only when tracing is on.
     app.state.tracing = provider = tracing.instrument(app)
     observe.configure_logging()

@@ -3,10 +3,11 @@ servers, resumption by event id, several workers and service instances, and the 
 part (the notification on commit, the transaction id of each write)."""
 
 import asyncio
+import contextlib
 import json
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -17,9 +18,11 @@ from prometheus_client import REGISTRY
 
 from app import live
 from app.access import new_token
+from app.config import Settings
 from app.data.stream import Position
 from app.db import Pool
 from app.live import LISTENER_NAME
+from app.main import create_app
 from app.replica import ReadPool
 from tests.helpers import (
     T1,
@@ -664,3 +667,93 @@ def test_streams_opened_while_writes_go_on_miss_and_repeat_nothing(
         for n in range(steps):
             if (f"s{n}", "running") in seen:  # a step's states in commit order
                 assert seen.index((f"s{n}", "running")) < seen.index((f"s{n}", "completed"))
+
+
+def asgi_get(path: str) -> dict[str, Any]:
+    """The ASGI scope of a direct `GET path` (loopback, no token: anonymous access)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"127.0.0.1")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
+    }
+
+
+def test_streams_opening_at_once_wait_their_turn_beyond_a_few_and_all_open(
+    sharing_database: str,
+) -> None:
+    """A wall of dashboards reconnecting to one worker: only `OPENING_AT_ONCE` streams are
+    opened at a time, so a write arriving meanwhile waits behind those few, not behind them
+    all; the others wait their turn before any work is done for them, none is refused, and
+    every one gets its whole snapshot."""
+    slugs = [f"s{n}" for n in range(5)]
+    seed_records(sharing_database, "gate", slugs)
+    count = 2 * live.OPENING_AT_ONCE + 3
+
+    async def main() -> None:
+        app = create_app(Settings(database_url=sharing_database))
+        gone = asyncio.Event()  # the clients go away at the end
+        answers: list[list[Any]] = [[] for _ in range(count)]
+
+        async def stream(n: int) -> None:
+            asked = False
+
+            async def receive() -> dict[str, Any]:
+                nonlocal asked
+                if not asked:
+                    asked = True
+                    return {"type": "http.request", "body": b"", "more_body": False}
+                await gone.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(message: MutableMapping[str, Any]) -> None:
+                answers[n].append(message.get("status") or message.get("body"))
+
+            await app(asgi_get("/v1/instances/gate/stream"), receive, send)
+
+        def opening() -> int:
+            """The streams past the gate: those that joined the snapshot read about to run."""
+            return sum(len(read.afters) for read in live._forming.values())
+
+        async def until(check: Callable[[], bool]) -> None:
+            for _ in range(int(WAIT / 0.01)):
+                if check():
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError("timed out waiting")
+
+        async with app.router.lifespan_context(app), contextlib.AsyncExitStack() as held:
+            pool: Pool = app.state.pool
+            for _ in range(pool.size):  # the snapshots wait for a connection meanwhile
+                await held.enter_async_context(pool.connection())
+            tasks = [asyncio.create_task(stream(n)) for n in range(count)]
+            await until(lambda: opening() == live.OPENING_AT_ONCE)
+            for _ in range(count):  # every stream has had its turns of the loop: none more
+                await asyncio.sleep(0)
+            assert opening() == live.OPENING_AT_ONCE
+            assert pool.waiting == 1  # the one read of those streams
+            assert not any(answers)
+            await held.aclose()
+            await until(lambda: all(len(answer) >= 2 for answer in answers))
+            gone.set()
+            await asyncio.gather(*tasks)
+        for answer in answers:
+            assert answer[0] == 200
+            frames = b"".join(part for part in answer[1:] if isinstance(part, bytes)).decode()
+            got = [
+                json.loads(line.removeprefix("data: "))["step_slug"]
+                for line in frames.split("\n")
+                if line.startswith("data: ")
+            ]
+            assert got == slugs
+
+    asyncio.run(main())

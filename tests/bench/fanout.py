@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import multiprocessing
+import multiprocessing.synchronize
 import os
 import resource
 import shlex
@@ -51,6 +53,7 @@ OPEN_WAVE = 20  # fan-out streams opened at a time (the burst is measured on its
 SETTLE_SECONDS = 15.0  # how long the last events may take to arrive before they count missing
 BURST_TIMEOUT = 120.0  # a burst stream without its snapshot after this long counts refused
 BEFORE_BURST_SECONDS = 3.0  # the writes' baseline window, just before each burst
+WRITER_START_SECONDS = 2.0  # the burst's writer process starting (its first writes wait)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -328,6 +331,54 @@ class Writer:
             writer.close()
 
 
+def _write_in_process(
+    host: str,
+    port: int,
+    rate: float,
+    prefix: str,
+    instances: Sequence[str],
+    stop: multiprocessing.synchronize.Event,
+    results: multiprocessing.Queue[list[Write]],
+) -> None:
+    async def write() -> list[Write]:
+        writer = Writer(host, port, rate, writes(prefix, instances))
+        writer.start()
+        await asyncio.to_thread(stop.wait)
+        return await writer.stop()
+
+    results.put(asyncio.run(write()))
+
+
+class WriterProcess:
+    """A `Writer` in a process of its own, so that the writes' latency is the service's alone:
+    in this process they would also wait for the client's own work on the streams (a burst's
+    thousand snapshots arriving at once). Times are `time.monotonic()`, one clock for every
+    process of the machine."""
+
+    def __init__(self, host: str, port: int, rate: float, prefix: str, instances: list[str]):
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
+        self._results: multiprocessing.Queue[list[Write]] = context.Queue()
+        self._process = context.Process(
+            target=_write_in_process,
+            args=(host, port, rate, prefix, instances, self._stop, self._results),
+            daemon=True,
+        )
+
+    def start(self) -> None:
+        self._process.start()
+
+    async def stop(self) -> list[Write]:
+        self._stop.set()
+        try:
+            done = await asyncio.to_thread(self._results.get, True, 60)
+        finally:
+            await asyncio.to_thread(self._process.join, 10)
+            if self._process.is_alive():
+                self._process.kill()
+        return done
+
+
 def write_latency(done: Sequence[Write], since: float = -math.inf, until: float = math.inf) -> str:
     """p50/p99 of the writes due in [since, until), and how many; each from when the steady
     rate had it due, so a write held back by slow answers counts its wait too."""
@@ -564,9 +615,9 @@ async def burst(base: str, dsn: str, size: int, args: argparse.Namespace, report
     seed(dsn, [key], args.burst_steps)
     worker = worker_of(base)
     instances = [f"fan{i}" for i in range(1, args.instances + 1)]
-    writer = Writer(host, int(port), args.rate, writes(f"b{size}", instances))
+    writer = WriterProcess(host, int(port), args.rate, f"b{size}", instances)
     writer.start()
-    await asyncio.sleep(BEFORE_BURST_SECONDS)
+    await asyncio.sleep(BEFORE_BURST_SECONDS + WRITER_START_SECONDS)
     rss_before, overflows, cpu = rss_mb(worker), listen_overflows(), cpu_seconds(worker)
     database = str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
     pg, reads = backends_cpu(database), reads_so_far(base)
