@@ -39,6 +39,30 @@ T3 = "2026-12-02T10:00:03Z"
 T4 = "2026-12-02T10:00:04Z"
 
 
+def asgi_scope(method: str, path: str, body: bytes | None = None) -> dict[str, Any]:
+    """The ASGI scope of a direct request (loopback, no token: anonymous access) to call an app
+    in-process; with `body`, a JSON body of that length."""
+    headers = [(b"host", b"127.0.0.1")]
+    if body is not None:
+        headers += [(b"content-type", b"application/json")]
+        headers += [(b"content-length", str(len(body)).encode())]
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
+    }
+
+
 def step_path(instance: str = "order-1", step: str = "charge") -> str:
     return f"/v1/instances/{instance}/steps/{step}"
 

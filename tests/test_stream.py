@@ -30,6 +30,7 @@ from tests.helpers import (
     T3,
     WAIT,
     Stream,
+    asgi_scope,
     eventually,
     metric,
     migrated_database,
@@ -669,25 +670,6 @@ def test_streams_opened_while_writes_go_on_miss_and_repeat_nothing(
                 assert seen.index((f"s{n}", "running")) < seen.index((f"s{n}", "completed"))
 
 
-def asgi_get(path: str) -> dict[str, Any]:
-    """The ASGI scope of a direct `GET path` (loopback, no token: anonymous access)."""
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"host", b"127.0.0.1")],
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8000),
-        "state": {},
-    }
-
-
 def test_streams_opening_at_once_wait_their_turn_beyond_a_few_and_all_open(
     sharing_database: str,
 ) -> None:
@@ -718,7 +700,7 @@ def test_streams_opening_at_once_wait_their_turn_beyond_a_few_and_all_open(
             async def send(message: MutableMapping[str, Any]) -> None:
                 answers[n].append(message.get("status") or message.get("body"))
 
-            await app(asgi_get("/v1/instances/gate/stream"), receive, send)
+            await app(asgi_scope("GET", "/v1/instances/gate/stream"), receive, send)
 
         def opening() -> int:
             """The streams past the gate: those that joined the snapshot read about to run."""

@@ -29,28 +29,9 @@ from app.config import Settings
 from app.main import create_app
 from tests.bench import run
 from tests.bench.decode import COMPLETE, START
+from tests.helpers import asgi_scope
 
 WARM_UP = 200
-
-
-def _scope(path: str, body: bytes) -> dict[str, Any]:
-    headers = [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")]
-    headers.append((b"content-length", str(len(body)).encode()))
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": headers,
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8000),
-        "state": {},
-    }
 
 
 async def _post(app: Any, path: str, body: bytes) -> None:
@@ -67,7 +48,7 @@ async def _post(app: Any, path: str, body: bytes) -> None:
     async def send(message: dict[str, Any]) -> None:
         messages.append(message)
 
-    await app(_scope(path, body), receive, send)
+    await app(asgi_scope("POST", path, body), receive, send)
     if messages[0]["status"] not in (200, 201):
         raise RuntimeError(f"{path} answered {messages[0]['status']}: {messages[1:]}")
 
