@@ -81,7 +81,7 @@ MAX_XID8 = 2**64 - 1
 MAX_ID = 2**63 - 1
 KEEPALIVE = b": keepalive\n\n"
 # Streams a worker opens at a time. A wall of dashboards reconnecting after a deploy opens a
-# thousand at once, and each costs the worker's one event loop about half a millisecond of
+# thousand at once, and each costs the worker's one event loop most of a millisecond of
 # work (the request, the snapshot, the answer's start); the writes that arrive meanwhile
 # would wait behind all of it. Beyond this many, a stream waits its turn before any of that
 # work, so a write waits behind at most this many openings.
