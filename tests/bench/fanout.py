@@ -14,7 +14,8 @@ sockets: one process holds every stream), measures:
 2. Burst: for each of `--burst` (1,000 and 1,500), that many streams of one instance of
    `--burst-steps` records opened at once while the same writes run: the time until every
    stream has its whole snapshot, how many were refused, and the writes' p50/p99 during the
-   burst against the seconds before it.
+   burst against the seconds before it; then, as a control, as many `GET /healthz` opened at
+   once while the same writes run.
 
 Exits non-zero when a stream missed, repeated or misordered an event, a write failed, or a
 stream of the fan-out could not open; a missed goal is reported, not an error.
@@ -609,6 +610,35 @@ async def fan_out(base: str, dsn: str, args: argparse.Namespace, report: Report)
         )
 
 
+async def healthz(host: str, port: int) -> None:
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(f"GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        await reader.readuntil(b"\r\n\r\n")
+    finally:
+        writer.close()
+
+
+async def control(base: str, size: int, args: argparse.Namespace, report: Report) -> None:
+    """The same number of the cheapest requests (`GET /healthz`, no database) opened at once
+    while the same writes run: what any burst of that many requests costs the writes."""
+    host, port = base.removeprefix("http://").split(":")
+    instances = [f"fan{i}" for i in range(1, args.instances + 1)]
+    writer = WriterProcess(host, int(port), args.rate, f"c{size}", instances)
+    writer.start()
+    await asyncio.sleep(BEFORE_BURST_SECONDS + WRITER_START_SECONDS)
+    began = time.monotonic()
+    await asyncio.gather(*(healthz(host, int(port)) for _ in range(size)))
+    finished = time.monotonic()
+    await asyncio.sleep(1.0)
+    done = await writer.stop()
+    report.say(
+        f"control: {size} GET /healthz at once, all answered in {finished - began:.1f} s;"
+        f" writes before: {write_latency(done, until=began)}; during:"
+        f" {write_latency(done, began, finished)}"
+    )
+
+
 async def burst(base: str, dsn: str, size: int, args: argparse.Namespace, report: Report) -> None:
     host, port = base.removeprefix("http://").split(":")
     key = f"burst{size}"
@@ -714,6 +744,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 asyncio.run(fan_out(base, dsn, args, report))
             for size in bursts:
                 asyncio.run(burst(base, dsn, size, args, report))
+                asyncio.run(control(base, size, args, report))
             report.say(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
             errors_in_log = [
                 line for line in run.tail(log, 20000).splitlines() if "Traceback" in line
