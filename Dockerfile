@@ -1,11 +1,14 @@
-# steprecord: build a virtualenv in one stage, run it as an unprivileged user in the next.
+# steprecord: build the wheel and install it in a virtualenv in one stage, run it as an
+# unprivileged user in the next. The install is the one CI proves (.ci/release-check): the
+# wheel from `pip wheel`, installed with its dependencies, no source tree beside it.
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY app ./app
 COPY migrations ./migrations
-RUN python -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir .
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /dist . \
+    && python -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir /dist/steprecord-*.whl
 
 FROM python:3.11-slim
 RUN useradd --system --create-home --uid 10001 steprecord

@@ -22,7 +22,7 @@ from psycopg.rows import dict_row
 from pydantic import AliasChoices, ValidationError
 from uvicorn.supervisors import Multiprocess
 
-from app import domain, pruning
+from app import __version__, domain, pruning
 from app.access import SCOPES, new_token
 from app.config import Settings, is_loopback, parse_duration, redact
 from app.data import retention, tokens
@@ -417,6 +417,7 @@ def environment_help() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="steprecord", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"steprecord {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser(
         "serve",

@@ -12,7 +12,20 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 from fastapi import FastAPI
 
-from app import docs, errors, live, observe, pruning, replica, routes, schemas, sweeper, tracing, ui
+from app import (
+    __version__,
+    docs,
+    errors,
+    live,
+    observe,
+    pruning,
+    replica,
+    routes,
+    schemas,
+    sweeper,
+    tracing,
+    ui,
+)
 from app.access import AccessControl, Tokens
 from app.config import Settings
 from app.db import DatabaseUnavailable, Pool
@@ -129,7 +142,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(
         title="steprecord",
-        version="0.1.0",
+        version=__version__,
         description="One durable, database-guarded record per step of a process instance.",
         lifespan=lifespan,
         routes=routes.ROUTES,
