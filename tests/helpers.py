@@ -86,6 +86,26 @@ def record(client: httpx.Client, instance: str = "order-1", step: str = "charge"
     return response.json()
 
 
+def exists(client: httpx.Client, key: str) -> bool:
+    return client.get(f"/v1/instances/{key}").status_code == 200
+
+
+def age(database_url: str, instance_key: str, days: int) -> None:
+    """Make an instance look last written `days` ago (its creation and every record's
+    updated_at; the history does not take part in the rule)."""
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            "UPDATE process_instance SET created_at = now() - %s * interval '1 day'"
+            " WHERE instance_key = %s",
+            (days, instance_key),
+        )
+        conn.execute(
+            "UPDATE workflow_step_record r SET updated_at = now() - %s * interval '1 day'"
+            " FROM process_instance p WHERE p.id = r.instance_id AND p.instance_key = %s",
+            (days, instance_key),
+        )
+
+
 def problem(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/problem+json")

@@ -25,8 +25,10 @@ from tests.helpers import (
     T1,
     T2,
     T3,
+    age,
     counter,
     eventually,
+    exists,
     metrics,
     migrated_database,
     post,
@@ -39,32 +41,12 @@ from tests.helpers import (
 NOWHERE = "postgresql://postgres@127.0.0.1:9/none"
 
 
-def age(database_url: str, instance_key: str, days: int) -> None:
-    """Make an instance look last written `days` ago (its creation and every record's
-    updated_at; the history does not take part in the rule)."""
-    with psycopg.connect(database_url) as conn:
-        conn.execute(
-            "UPDATE process_instance SET created_at = now() - %s * interval '1 day'"
-            " WHERE instance_key = %s",
-            (days, instance_key),
-        )
-        conn.execute(
-            "UPDATE workflow_step_record r SET updated_at = now() - %s * interval '1 day'"
-            " FROM process_instance p WHERE p.id = r.instance_id AND p.instance_key = %s",
-            (days, instance_key),
-        )
-
-
 def finished(client: httpx.Client, key: str) -> None:
     post(client, "start", {"attempt": 1, "started_at": T1}, instance=key)
     post(client, "fail", {"attempt": 1, "completed_at": T2, "error_code": "E"}, instance=key)
     post(client, "start", {"attempt": 2, "started_at": T2}, instance=key)
     post(client, "complete", {"attempt": 2, "completed_at": T3, "output": {"k": key}}, instance=key)
     post(client, "complete", {"started_at": T1, "output": [1]}, instance=key, step="other")
-
-
-def exists(client: httpx.Client, key: str) -> bool:
-    return client.get(f"/v1/instances/{key}").status_code == 200
 
 
 def as_archived(client: httpx.Client, key: str) -> dict[str, Any]:

@@ -14,21 +14,26 @@ from app.data.reads import ATTEMPT
 from app.db import AsyncConn
 from app.domain import InstanceNotFound
 
-# The instance is locked first (FOR UPDATE: a writer creating a step of it waits, and then
-# finds it gone), then its records (FOR UPDATE, in id order: a writer updating one finishes
-# first, and the check of what is running reads the newest versions). Without `force` an
-# instance with a running step stays; with it, it goes regardless.
-DELETE_INSTANCE = """
-WITH target AS (
-    SELECT p.id FROM process_instance p WHERE p.instance_key = %(instance_key)s FOR UPDATE
-),
-records AS (
-    SELECT r.status FROM workflow_step_record r JOIN target t ON r.instance_id = t.id
+# Lock, then judge: two statements in one transaction. The first locks the instance (FOR
+# UPDATE: a writer creating a step of it waits from then on, and then finds it gone); the
+# second, whose snapshot is taken after that lock was granted, sees every step committed
+# before it, also one created by a writer that held the instance's lock while the first
+# waited (one statement that locked and judged would judge on its own older snapshot, miss
+# that step, and then fail on it, or delete it unjudged). The second locks the records too (in
+# id order: a writer updating one finishes first, and the check of what is running reads the
+# newest versions). Without `force` an instance with a running step stays; with it, it goes
+# regardless.
+LOCK_INSTANCE = """
+SELECT p.id FROM process_instance p WHERE p.instance_key = %(instance_key)s FOR UPDATE
+"""
+DELETE_LOCKED = """
+WITH records AS (
+    SELECT r.status FROM workflow_step_record r WHERE r.instance_id = %(id)s
     ORDER BY r.id
     FOR UPDATE OF r
 ),
 allowed AS (
-    SELECT t.id FROM target t
+    SELECT %(id)s::bigint AS id
     WHERE %(force)s OR NOT EXISTS (SELECT 1 FROM records WHERE status = 'running')
 ),
 gone_records AS (
@@ -40,10 +45,8 @@ gone AS (
 told AS (
     SELECT pg_notify('steprecord_changes', gone.id::text) FROM gone
 )
-SELECT t.id,
-       (SELECT count(*) FROM records WHERE status = 'running') AS running,
+SELECT (SELECT count(*) FROM records WHERE status = 'running') AS running,
        (SELECT count(*) FROM told) AS deleted
-FROM target t
 """
 
 
@@ -54,10 +57,15 @@ class Deletion:
 
 
 async def delete_instance(conn: AsyncConn, instance_key: str, *, force: bool) -> Deletion:
-    cur = await conn.execute(DELETE_INSTANCE, {"instance_key": instance_key, "force": force})
-    row = await cur.fetchone()
-    if row is None:
-        raise InstanceNotFound(instance_key)
+    """Lock the instance, then judge and delete it (see `LOCK_INSTANCE`)."""
+    async with conn.transaction():
+        cur = await conn.execute(LOCK_INSTANCE, {"instance_key": instance_key})
+        locked = await cur.fetchone()
+        if locked is None:
+            raise InstanceNotFound(instance_key)
+        cur = await conn.execute(DELETE_LOCKED, {"id": locked["id"], "force": force})
+        row = await cur.fetchone()
+    assert row is not None
     return Deletion(deleted=row["deleted"] > 0, running=int(row["running"]))
 
 
@@ -72,18 +80,24 @@ ORDER BY p.created_at, p.id
 LIMIT %(limit)s
 """
 
-# A batch, judged under locks: the instances first (a writer creating a step of one waits),
-# then their records in id order (a writer updating one finishes first, and the check reads
-# the newest versions). An instance goes when its last write (its records' greatest
-# updated_at, else its own created_at) is before the cutoff, and, unless unfinished ones are
-# included, none of its records is pending or running. So an instance written after the
-# cutoff stays, even when it was selected as a candidate before that write.
+# A batch: lock, then judge, in two statements of the batch's transaction. `LOCK_BATCH` locks
+# the instances (in id order; a writer creating a step of one waits from then on). `DUE` is a
+# new statement, so its snapshot is taken after the locks were granted: it sees every step
+# committed before, also one created by a writer that held an instance's lock while
+# `LOCK_BATCH` waited for it (a statement that locked and judged at once would judge on its
+# own older snapshot and delete that step unjudged). It locks the records too, in id order (a
+# writer updating one finishes first, and the check reads the newest versions). An instance
+# goes when its last write (its records' greatest updated_at, else its own created_at) is
+# before the cutoff, and, unless unfinished ones are included, none of its records is pending
+# or running. So an instance written after the cutoff stays, even when it was selected as a
+# candidate before that write.
+LOCK_BATCH = """
+SELECT p.id FROM process_instance p WHERE p.id = ANY(%(ids)s) ORDER BY p.id FOR UPDATE
+"""
 DUE = """
 WITH batch AS (
     SELECT p.id, p.instance_key, p.created_at FROM process_instance p
     WHERE p.id = ANY(%(ids)s)
-    ORDER BY p.id
-    FOR UPDATE
 ),
 records AS (
     SELECT r.instance_id, r.updated_at, r.status FROM workflow_step_record r
@@ -172,8 +186,9 @@ async def lock_due(
     include_unfinished: bool,
     with_contents: bool,
 ) -> Due:
-    """Inside a transaction: lock a batch and keep the instances that go (see `DUE`), with
-    their records and attempts as the API renders them when `with_contents`."""
+    """Inside a transaction: lock a batch, then keep the instances that go (see `LOCK_BATCH`),
+    with their records and attempts as the API renders them when `with_contents`."""
+    await conn.execute(LOCK_BATCH, {"ids": ids})
     params = {"ids": ids, "cutoff": cutoff, "include_unfinished": include_unfinished}
     cur = await conn.execute(DUE, params)
     due = await cur.fetchall()
