@@ -27,8 +27,8 @@ from app.access import SCOPES, new_token
 from app.config import Settings, is_loopback, parse_duration, redact
 from app.data import retention, tokens
 from app.embedded import EmbeddedPostgres
+from app.limits import PREFIX_RE
 from app.main import alembic_config, create_app
-from app.models import PREFIX_RE
 
 
 def openapi_json() -> str:

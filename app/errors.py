@@ -20,7 +20,7 @@ from app.domain import (
     OutputTooLarge,
     StepNotFound,
 )
-from app.models import MAX_OUTPUT_BYTES
+from app.limits import MAX_OUTPUT_BYTES
 from app.serialize import dumps
 
 PROBLEM_TYPE = "urn:steprecord:problem:"

@@ -1,4 +1,4 @@
-"""Live updates: one LISTEN connection per worker, and the event streams it wakes.
+"""Live updates: one LISTEN connection per worker, and the Server-Sent Events streams it wakes.
 
 The record's triggers notify `steprecord_changes` with the instance's id when a write commits.
 Each worker holds one dedicated session on `STEPRECORD_LISTEN_URL` (LISTEN needs a session,
@@ -317,7 +317,7 @@ def _frame(record: dict[str, Any]) -> bytes:
     return b"event: record\nid: " + event_id + b"\ndata: " + dumps(record_json(record)) + b"\n\n"
 
 
-async def events(
+async def sse_body(
     reads: ReadPool, hub: Hub, instance_key: str, first: Update, heartbeat: float
 ) -> AsyncIterator[bytes]:
     """The stream's body: `first` (what the handler read), then every later change."""
@@ -388,7 +388,7 @@ async def events(
                 subscription.dirty.set()
 
 
-class EventStream(StreamingResponse):
+class SSEResponse(StreamingResponse):
     """`text/event-stream`, never cached or buffered by a proxy; the body is closed (and its
     stream unsubscribed) as soon as the response ends, also when the client went away."""
 

@@ -1,11 +1,11 @@
 """The schema: the owner and the fact, with every invariant as a named constraint.
 
-The triggers (transitions, history, live-update notifications) live in the migrations
-(SQLAlchemy has no model for triggers); everything else here is compared against the
-migrations by a test.
+The database functions and triggers (the judge, transitions, history, live-update
+notifications) live in `app/sql/` (SQLAlchemy has no model for them); everything else here is
+compared against the migrations by a test. The limits these constraints enforce, which the API
+checks first, are in `app.limits`.
 """
 
-import re
 from datetime import datetime
 
 from sqlalchemy import (
@@ -30,6 +30,16 @@ from sqlalchemy.dialects.postgresql.base import ischema_names
 from sqlalchemy.types import UserDefinedType
 from sqlmodel import Field, SQLModel
 
+from app.limits import (
+    MAX_INT4,
+    MAX_MESSAGE_BYTES,
+    MAX_OUTPUT_BYTES,
+    MAX_URL_CHARS,
+    NAME_PATTERN,
+    PREFIX_PATTERN,
+    URL_PATTERN,
+)
+
 # Must be assigned before any table is defined: the convention is applied at definition time.
 SQLModel.metadata.naming_convention = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -43,16 +53,6 @@ metadata: MetaData = SQLModel.metadata
 STATUSES = ("pending", "running", "completed", "failed")
 ATTEMPT_STATUSES = ("running", "completed", "failed", "superseded")
 LEASED = "status = 'running' AND lease_expires_at IS NOT NULL"
-NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$"
-NAME_RE = re.compile(NAME_PATTERN)
-# A token's key prefix: the start of a key, 1 to 100 characters.
-PREFIX_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$"
-PREFIX_RE = re.compile(PREFIX_PATTERN)
-URL_PATTERN = "^[A-Za-z][A-Za-z0-9+.-]*://"
-MAX_OUTPUT_BYTES = 1024 * 1024
-MAX_MESSAGE_BYTES = 65536
-MAX_URL_CHARS = 2048
-MAX_INT4 = 2147483647
 
 
 class XID8(UserDefinedType[str]):

@@ -1,7 +1,8 @@
 """Reads from a PostgreSQL streaming replica, and from the primary whenever it cannot serve.
 
-`ReadPool.run(work)` is the one way a read path gets a read connection: it runs `work` on the
-replica while the replica is healthy, otherwise on the primary. A replica read that fails (the
+A read path gets its read connection from `ReadPool`: `run(work)` for one read, `connection()`
+for work in several steps (a dashboard page). `run` runs `work` on the replica while the
+replica is healthy, otherwise on the primary. A replica read that fails (the
 connection lost, refused, cancelled) is run once more on the primary (reads are idempotent)
 and the replica is marked down until the background check finds it healthy again, so a read
 never fails because of the replica. A replica whose connections are all busy is not down: the

@@ -9,7 +9,7 @@ import asyncio
 import logging
 
 from app import observe
-from app.data import operations
+from app.data import leases
 from app.db import Pool
 
 log = logging.getLogger("steprecord.sweeper")
@@ -17,7 +17,7 @@ log = logging.getLogger("steprecord.sweeper")
 
 async def sweep_once(pool: Pool) -> int:
     async with pool.connection() as conn:
-        swept = await operations.sweep_expired(conn)
+        swept = await leases.sweep_expired(conn)
     if swept:
         observe.count_event("fail", "swept", swept)
         log.info("swept %d expired leases", swept)

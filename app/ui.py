@@ -23,7 +23,7 @@ from app import cursors, domain, static, tenancy
 from app.data import dashboard, reads
 from app.db import AsyncConn
 from app.errors import Problem
-from app.models import NAME_RE
+from app.limits import NAME_RE
 from app.replica import ReadPool
 from app.serialize import timestamp
 

@@ -6,7 +6,7 @@ from alembic import context
 from sqlalchemy import Connection
 
 from app.config import Settings
-from app.data.operations import MIGRATION_LOCK
+from app.data.revision import MIGRATION_LOCK
 from app.db import sync_engine
 from app.main import COMPATIBLE_AHEAD
 from app.models import metadata

@@ -9,7 +9,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from app.data import operations, reads
+from app.data import leases, reads
 from app.models import STATUSES
 from tests.test_schema import BASE, T1, T2, Conn, insert, refused
 
@@ -321,7 +321,7 @@ def test_each_filter_across_instances_reads_its_index_without_sorting(wide_table
         assert "Seq Scan on workflow" not in text, text
         if len(statuses) > 1:
             assert "Merge Append" in text, text
-    rows = wide_table.execute("EXPLAIN " + operations.SWEEP, {"limit": 500}).fetchall()
+    rows = wide_table.execute("EXPLAIN " + leases.SWEEP, {"limit": 500}).fetchall()
     text = "\n".join(str(r[0]) for r in rows)
     assert "ix_workflow_step_record_leased_updated_at_id" in text, text
 

@@ -14,7 +14,7 @@ import httpx
 import psycopg
 import pytest
 
-from app.data import operations
+from app.data import leases
 from tests.helpers import (
     T1,
     T2,
@@ -363,7 +363,7 @@ def test_a_sweep_skips_a_record_held_by_a_heartbeat_in_flight(
             "UPDATE workflow_step_record SET lease_expires_at = now() + interval '10 minutes',"
             " updated_at = now() WHERE step_slug = 'racing'"
         )
-        assert sweeper.execute(operations.SWEEP, {"limit": 10}).rowcount == 0
+        assert sweeper.execute(leases.SWEEP, {"limit": 10}).rowcount == 0
         holder.commit()
-        assert sweeper.execute(operations.SWEEP, {"limit": 10}).rowcount == 0
+        assert sweeper.execute(leases.SWEEP, {"limit": 10}).rowcount == 0
     assert record(unswept, key, "racing")["status"] == "running"

@@ -16,7 +16,7 @@ from alembic.util import CommandError
 
 import app.main
 from app.cli import migrate
-from app.data.operations import MIGRATION_LOCK
+from app.data.revision import MIGRATION_LOCK
 from app.embedded import EmbeddedPostgres
 from app.main import create_app, schema_head
 from tests.helpers import (

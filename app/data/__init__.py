@@ -7,6 +7,7 @@ concern. None imports the web framework; each takes a connection and returns dom
 - `dashboard`: the dashboard's own reads;
 - `stream`: what a live stream reads, and its LISTEN session;
 - `tokens`: API tokens and the access policy;
-- `operations`: the lease sweeper, the schema revision, the migration lock;
+- `leases`: the lease sweeper's statement;
+- `revision`: the schema revision the database is at, the migration lock;
 - `replication`: WAL positions of a primary and a standby (the read replica's lag).
 """

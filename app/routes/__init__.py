@@ -5,11 +5,11 @@
 
 from starlette.routing import BaseRoute
 
-from app.routes import events, instances, operations, reads
+from app.routes import events, health, instances, reads
 
 ROUTES: list[BaseRoute] = [
     *events.router.routes,
     *reads.router.routes,
     *instances.router.routes,
-    *operations.router.routes,
+    *health.router.routes,
 ]

@@ -10,7 +10,8 @@ from fastapi.routing import APIRoute
 
 from app.db import Pool
 from app.errors import Problem, validation_problem
-from app.models import MAX_OUTPUT_BYTES, NAME_PATTERN, STATUSES
+from app.limits import MAX_OUTPUT_BYTES, NAME_PATTERN
+from app.models import STATUSES
 from app.replica import ReadPool
 from app.serialize import MAX_DEPTH, BadJSON, UnacceptableJSON, dumps, loads
 

@@ -7,10 +7,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from app import observe, schemas, tenancy, tracing
+from app.bodies import BODIES, KINDS, parse_batch_event, parse_envelope, parse_event
 from app.data import judge
 from app.domain import ConstraintViolation, Event, InvalidData, Kind, Result
 from app.errors import Problem, to_problem
-from app.events import BODIES, KINDS, parse_batch_event, parse_envelope, parse_event
 from app.routes.common import (
     MAX_BATCH_BYTES,
     MAX_BATCH_DEPTH,

@@ -1,16 +1,56 @@
-"""Deleting an instance: its records and their history go with it; its streams end."""
+"""The instance routes: one instance with its step counts, the list of instances, and deleting
+one (its records and their history go with it; its streams end)."""
 
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from app import schemas, tenancy
-from app.data import retention
+from app import cursors, schemas, tenancy
+from app.data import reads, retention
 from app.errors import Problem
-from app.routes.common import InstanceKey, KnownQuery, primary_pool
+from app.routes.common import (
+    InstanceKey,
+    KnownQuery,
+    Limit,
+    json_response,
+    primary_pool,
+    read_pool,
+)
 
 router = APIRouter(route_class=KnownQuery)
+
+
+@router.get(
+    "/v1/instances/{instance_key}",
+    tags=["reads"],
+    summary="An instance with its step counts",
+    responses=schemas.read_responses(schemas.Instance),
+)
+async def get_instance(request: Request, instance_key: InstanceKey) -> Response:
+    tenancy.check_read(request.scope, instance_key)
+    instance = await read_pool(request).run(lambda conn: reads.get_instance(conn, instance_key))
+    return json_response(instance)
+
+
+@router.get(
+    "/v1/instances",
+    tags=["reads"],
+    summary="Instances, newest first",
+    responses=schemas.read_responses(schemas.InstancePage),
+)
+async def list_instances(
+    request: Request,
+    limit: Limit = 100,
+    cursor: str | None = None,
+) -> Response:
+    before = None if cursor is None else cursors.instances_position(cursor)
+    prefix = tenancy.prefix_of(request.scope)
+    items, last = await read_pool(request).run(
+        lambda conn: reads.list_instances(conn, prefix=prefix, before=before, limit=limit)
+    )
+    next_cursor = None if last is None else cursors.instances_cursor(last)
+    return json_response({"items": items, "next_cursor": next_cursor})
 
 
 @router.delete(

@@ -1,4 +1,5 @@
-"""The read routes: records, pages, attempts, the live stream, instances."""
+"""The read routes of step records: one, an instance's page, attempts, the live stream, and
+the records across instances."""
 
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -135,8 +136,8 @@ async def stream_instance(
         after = (0, 0)
     reads, state = read_pool(request), request.app.state
     first = await live.read_changes(reads, instance_key, after)
-    return live.EventStream(
-        live.events(reads, state.hub, instance_key, first, state.stream_heartbeat)
+    return live.SSEResponse(
+        live.sse_body(reads, state.hub, instance_key, first, state.stream_heartbeat)
     )
 
 
@@ -174,35 +175,3 @@ async def list_recent_steps(
         )
     )
     return _page(page, lambda r: record_json(r, fields == "summary"), cursors.recent_cursor)
-
-
-@router.get(
-    "/v1/instances/{instance_key}",
-    tags=["reads"],
-    summary="An instance with its step counts",
-    responses=schemas.read_responses(schemas.Instance),
-)
-async def get_instance(request: Request, instance_key: InstanceKey) -> Response:
-    tenancy.check_read(request.scope, instance_key)
-    instance = await read_pool(request).run(lambda conn: data.get_instance(conn, instance_key))
-    return json_response(instance)
-
-
-@router.get(
-    "/v1/instances",
-    tags=["reads"],
-    summary="Instances, newest first",
-    responses=schemas.read_responses(schemas.InstancePage),
-)
-async def list_instances(
-    request: Request,
-    limit: Limit = 100,
-    cursor: str | None = None,
-) -> Response:
-    before = None if cursor is None else cursors.instances_position(cursor)
-    prefix = tenancy.prefix_of(request.scope)
-    items, last = await read_pool(request).run(
-        lambda conn: data.list_instances(conn, prefix=prefix, before=before, limit=limit)
-    )
-    next_cursor = None if last is None else cursors.instances_cursor(last)
-    return json_response({"items": items, "next_cursor": next_cursor})

@@ -2,7 +2,7 @@
 
 `tests/bench/cpu.py` serves it with uvicorn (two workers, as the service) on the same
 database and loads it as it loads the service. It calls the service's own functions for the
-work itself: the event's body is parsed and checked by `app.events`, judged by
+work itself: the event's body is parsed and checked by `app.bodies`, judged by
 `app.data.judge` (`steprecord_apply_event`, prepared, through the service's connection pool)
 and answered by `app.routes.refusals.judged`; the page is read with the service's statement
 (`steprecord_list_page`, in binary) and rendered by `app.serialize`. So its answers are the
@@ -23,11 +23,11 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from app import cursors
+from app.bodies import parse_event
 from app.config import Settings
 from app.data import judge
 from app.data.reads import LIST_PAGE, PAGE_COLUMNS
 from app.db import Pool
-from app.events import parse_event
 from app.routes.refusals import judged
 from app.serialize import dumps, loads, page_json
 

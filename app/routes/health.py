@@ -1,10 +1,10 @@
-"""The operations routes: metrics, liveness, readiness."""
+"""Health and metrics: liveness, readiness, Prometheus metrics (the `operations` tag)."""
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from app import observe, schemas, tenancy
-from app.data import operations
+from app.data import revision
 from app.errors import Problem
 from app.routes.common import KnownQuery, json_response, primary_pool
 
@@ -38,7 +38,7 @@ async def healthz() -> Response:
 async def readyz(request: Request) -> Response:
     state = request.app.state
     async with primary_pool(request).connection() as conn:
-        current = await operations.schema_revision(conn)
+        current = await revision.schema_revision(conn)
     if current not in state.schema_accepted:
         detail = _schema_mismatch(current, state.schema_head, state.schema_known)
         raise Problem(503, "unavailable", detail)

@@ -19,7 +19,7 @@ from pydantic import (
 
 from app.domain import Event, Kind
 from app.errors import NAME_RULE, Problem, validation_problem
-from app.models import MAX_INT4, MAX_MESSAGE_BYTES, MAX_URL_CHARS, NAME_PATTERN, URL_PATTERN
+from app.limits import MAX_INT4, MAX_MESSAGE_BYTES, MAX_URL_CHARS, NAME_PATTERN, URL_PATTERN
 from app.serialize import dumps_value
 
 KINDS: tuple[Kind, ...] = ("declare", "start", "complete", "fail", "heartbeat")

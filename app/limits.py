@@ -1,0 +1,15 @@
+"""The limits of what the API accepts: name and URL patterns, sizes. The HTTP layer checks them
+first, for a precise 422; the tables' named constraints (`app.models`) refuse the same values."""
+
+import re
+
+NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$"
+NAME_RE = re.compile(NAME_PATTERN)
+# A token's key prefix: the start of a key, 1 to 100 characters.
+PREFIX_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$"
+PREFIX_RE = re.compile(PREFIX_PATTERN)
+URL_PATTERN = "^[A-Za-z][A-Za-z0-9+.-]*://"
+MAX_OUTPUT_BYTES = 1024 * 1024
+MAX_MESSAGE_BYTES = 65536
+MAX_URL_CHARS = 2048
+MAX_INT4 = 2147483647
