@@ -3,6 +3,10 @@
 It listens on a Unix socket inside its own directory and on no TCP address, so it can never
 collide with a server already on 5432. The data directory survives restarts. As root it runs
 as an unprivileged system user, since PostgreSQL refuses to run as root.
+
+The tests also start private servers from another installation (`bin_path`, e.g. a Citus
+cluster's nodes built into the machine's PostgreSQL), on a loopback TCP `port`, with extra
+server `settings`.
 """
 
 import importlib.util
@@ -31,28 +35,49 @@ MAX_SOCKET_PATH = 100
 
 
 class EmbeddedPostgres:
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        bin_path: Path = POSTGRES_BIN_PATH,
+        port: int | None = None,
+        settings: dict[str, str] | None = None,
+    ) -> None:
+        """`port`: also listen on 127.0.0.1 at that port (the URL then uses it), else on the
+        socket alone; `settings`: server parameters given at every start."""
         self.data_dir = data_dir.expanduser().resolve()
         self.pgdata = self.data_dir / "pgdata"
         self.socket_dir = self.data_dir / "run"
-        if len(str(self.socket_dir / SOCKET_NAME)) > MAX_SOCKET_PATH:
+        self.bin_path = bin_path
+        self.port = port
+        self.settings = dict(settings or {})
+        if len(str(self.socket_dir / self._socket_name)) > MAX_SOCKET_PATH:
             self.socket_dir = Path(tempfile.mkdtemp(prefix="steprecord-"))
         self._user = SYSTEM_USER if os.geteuid() == 0 else None
         self._owned = False
 
     @property
+    def _socket_name(self) -> str:
+        return SOCKET_NAME if self.port is None else f".s.PGSQL.{self.port}"
+
+    @property
     def url(self) -> str:
+        if self.port is not None:
+            return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
         return f"postgresql://postgres@/postgres?host={self.socket_dir}&port=5432"
 
     def _as_user(self) -> dict[str, Any]:
         # The server user's own group too: keeping root's group would deny it group-less dirs.
+        # Its HOME too: root's would leave the server's libpq (e.g. Citus's connections
+        # between nodes) looking into a directory it may not read.
         if self._user is None:
             return {}
-        return {"user": self._user, "group": self._user, "extra_groups": []}
+        env = {**os.environ, "HOME": str(self.data_dir)}
+        return {"user": self._user, "group": self._user, "extra_groups": [], "env": env}
 
     def _run(self, *args: str) -> None:
         done = subprocess.run(
-            [str(POSTGRES_BIN_PATH / args[0]), *args[1:]],
+            [str(self.bin_path / args[0]), *args[1:]],
             **self._as_user(),
             capture_output=True,
             text=True,
@@ -78,14 +103,15 @@ class EmbeddedPostgres:
             mode = path.stat().st_mode
             if not mode & stat.S_IXOTH:
                 path.chmod(mode | stat.S_IXOTH)
-        _make_traversable(POSTGRES_BIN_PATH.parent)
+        if self.bin_path == POSTGRES_BIN_PATH:  # a system installation is readable already
+            _make_traversable(POSTGRES_BIN_PATH.parent)
 
     def running(self) -> bool:
-        return (self.socket_dir / SOCKET_NAME).exists() and self._status_ok()
+        return (self.socket_dir / self._socket_name).exists() and self._status_ok()
 
     def _status_ok(self) -> bool:
         done = subprocess.run(
-            [str(POSTGRES_BIN_PATH / "pg_ctl"), "status", "-D", str(self.pgdata)],
+            [str(self.bin_path / "pg_ctl"), "status", "-D", str(self.pgdata)],
             **self._as_user(),
             capture_output=True,
             cwd="/",
@@ -107,7 +133,10 @@ class EmbeddedPostgres:
                 "--locale=C",
             )
         if not self._status_ok():
-            options = f"-c listen_addresses='' -k {self.socket_dir} -p 5432"
+            listen = "" if self.port is None else "127.0.0.1"
+            options = f"-c listen_addresses='{listen}' -k {self.socket_dir} -p {self.port or 5432}"
+            for name, value in self.settings.items():
+                options += f" -c {name}='{value}'"
             self._run(
                 "pg_ctl",
                 "start",
@@ -124,10 +153,11 @@ class EmbeddedPostgres:
             self._owned = True
         return self.url
 
-    def stop(self) -> None:
-        """Stop the server if this object started it."""
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server if this object started it (`mode`: pg_ctl's smart, fast or
+        immediate)."""
         if self._owned:
-            self._run("pg_ctl", "stop", "-w", "-m", "fast", "-D", str(self.pgdata))
+            self._run("pg_ctl", "stop", "-w", "-m", mode, "-D", str(self.pgdata))
             self._owned = False
 
     def __enter__(self) -> "EmbeddedPostgres":

@@ -20,8 +20,11 @@ from app.cli import migrate
 from app.embedded import EmbeddedPostgres
 from tests.helpers import (
     BEHIND_PGBOUNCER,
+    CitusCluster,
     Stream,
     chromium_browser,
+    citus_bin_path,
+    citus_cluster,
     create_database,
     drop_database,
     migrated_database,
@@ -43,6 +46,20 @@ def server_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield embedded.start()
     finally:
         embedded.stop()
+
+
+@pytest.fixture(scope="session")
+def citus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CitusCluster]:
+    """A Citus cluster of the tests' own: a coordinator and two workers, stopped at the end.
+    Without Citus installed its tests are skipped, except in CI (`CI=true`), where they fail."""
+    bin_path = citus_bin_path()
+    if bin_path is None:
+        reason = "Citus is not installed in any PostgreSQL here"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI needs the Citus tests: {reason}")
+        pytest.skip(reason)
+    with citus_cluster(tmp_path_factory.mktemp("citus"), bin_path) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")

@@ -315,15 +315,118 @@ def metrics(url: str) -> str:
 
 
 def create_database(server_dsn: str, name: str) -> str:
-    with psycopg.connect(server_dsn, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        conn.execute(f'CREATE DATABASE "{name}"')
-    return psycopg.conninfo.make_conninfo(server_dsn, dbname=name)
+    """A new database on the server; on a Citus coordinator, on every node of its cluster, with
+    the extension in each and the workers added, as an operator would set one up."""
+    workers = citus_workers(server_dsn)
+    for dsn in (server_dsn, *workers):
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            conn.execute(f'CREATE DATABASE "{name}"')
+    url = psycopg.conninfo.make_conninfo(server_dsn, dbname=name)
+    if workers:
+        for dsn in workers:
+            with psycopg.connect(
+                psycopg.conninfo.make_conninfo(dsn, dbname=name), autocommit=True
+            ) as conn:
+                conn.execute("CREATE EXTENSION citus")
+        _add_citus_nodes(url, workers)
+    return url
 
 
 def drop_database(server_dsn: str, name: str) -> None:
+    for dsn in (server_dsn, *citus_workers(server_dsn)):
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def citus_workers(server_dsn: str) -> list[str]:
+    """The maintenance URLs of the workers of the Citus cluster whose coordinator `server_dsn`
+    reaches (its own database's node list), or none when that is no Citus coordinator."""
     with psycopg.connect(server_dsn, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        if conn.execute("SELECT 1 FROM pg_extension WHERE extname = 'citus'").fetchone() is None:
+            return []
+        rows = conn.execute(
+            "SELECT nodename, nodeport FROM pg_dist_node WHERE noderole = 'primary'"
+            " AND groupid <> 0 ORDER BY nodeid"
+        ).fetchall()
+    return [psycopg.conninfo.make_conninfo(server_dsn, host=host, port=port) for host, port in rows]
+
+
+def _add_citus_nodes(coordinator_url: str, workers: list[str]) -> None:
+    info = psycopg.conninfo.conninfo_to_dict(coordinator_url)
+    with psycopg.connect(coordinator_url, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS citus")
+        conn.execute("SELECT citus_set_coordinator_host(%s, %s)", (info["host"], info["port"]))
+        for dsn in workers:
+            worker = psycopg.conninfo.conninfo_to_dict(dsn)
+            conn.execute("SELECT citus_add_node(%s, %s)", (worker["host"], worker["port"]))
+
+
+def citus_bin_path() -> Path | None:
+    """The bin directory of the newest PostgreSQL installed here that has Citus, if any."""
+    for pg_config in sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/pg_config"),
+        key=lambda path: int(path.parent.parent.name) if path.parent.parent.name.isdigit() else 0,
+        reverse=True,
+    ):
+        done = subprocess.run([pg_config, "--sharedir"], capture_output=True, text=True)
+        if (Path(done.stdout.strip()) / "extension" / "citus.control").exists():
+            return pg_config.parent
+    return None
+
+
+@dataclass
+class CitusCluster:
+    """A coordinator and its workers: private PostgreSQL servers on loopback ports."""
+
+    coordinator: EmbeddedPostgres
+    workers: list[EmbeddedPostgres]
+
+    @property
+    def url(self) -> str:
+        """The coordinator's maintenance database, where the tests create theirs."""
+        return self.coordinator.url
+
+
+def rows_on_worker(worker_url: str, table: str) -> int:
+    """How many rows of a distributed table a worker holds in its own shards (the physical
+    tables named `<table>_<shard id>`, which Citus hides from ordinary catalog queries)."""
+    with psycopg.connect(worker_url, autocommit=True) as conn:
+        conn.execute("SET citus.override_table_visibility TO off")
+        shards = conn.execute(
+            "SELECT relname FROM pg_class WHERE relkind = 'r' AND relname ~ %s",
+            (f"^{table}_[0-9]+$",),
+        ).fetchall()
+        total = 0
+        for (shard,) in shards:
+            row = conn.execute(f'SELECT count(*) FROM "{shard}"').fetchone()
+            assert row is not None
+            total += int(row[0])
+    return total
+
+
+@contextmanager
+def citus_cluster(root: Path, bin_path: Path, workers: int = 2) -> Iterator[CitusCluster]:
+    """Starts a coordinator and `workers` workers under `root` (the extension created in each
+    maintenance database, the workers added), and stops them all on the way out."""
+    settings = {"shared_preload_libraries": "citus"}
+    nodes: list[EmbeddedPostgres] = []
+    try:
+        for name in ("coordinator", *(f"worker{n}" for n in range(1, workers + 1))):
+            node = EmbeddedPostgres(
+                root / name, bin_path=bin_path, port=free_port(), settings=settings
+            )
+            nodes.append(node)
+            node.start()
+        for node in nodes[1:]:
+            with psycopg.connect(node.url, autocommit=True) as conn:
+                conn.execute("CREATE EXTENSION citus")
+        _add_citus_nodes(nodes[0].url, [node.url for node in nodes[1:]])
+        yield CitusCluster(nodes[0], nodes[1:])
+    finally:
+        for node in nodes:
+            with contextlib.suppress(RuntimeError):  # a test may have stopped it already
+                node.stop()
 
 
 @contextmanager
