@@ -68,6 +68,19 @@ class Settings(BaseSettings):
     def _duration(cls, value: object) -> object:
         return parse_duration(value) if isinstance(value, str) and value.strip() else None
 
+    @field_validator("retention")
+    @classmethod
+    def _long_enough(cls, value: timedelta | None) -> timedelta | None:
+        # A retention of minutes is a typo far more often than a wish (30s meant as 30d): it
+        # would delete every finished instance within a minute, so it stops the service.
+        if value is not None and value < MIN_RETENTION:
+            raise ValueError(
+                f"{value.total_seconds():g} seconds is shorter than the 1 hour a retention must"
+                " keep at least (did you mean days, e.g. 30d?); to delete sooner, run"
+                " `steprecord prune --older-than DURATION` yourself"
+            )
+        return value
+
     @field_validator("trace_url")
     @classmethod
     def _trace_template(cls, value: str | None) -> str | None:
@@ -81,6 +94,7 @@ class Settings(BaseSettings):
         return value.strip()
 
 
+MIN_RETENTION = timedelta(hours=1)
 DURATION = re.compile(r"([1-9][0-9]{0,8})([smhdw])")
 UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 

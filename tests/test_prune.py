@@ -14,6 +14,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import httpx
 import psycopg
 import pytest
 
+from app.config import Settings
 from tests.helpers import (
     T1,
     T2,
@@ -284,3 +286,28 @@ def test_an_unparseable_retention_stops_the_service_with_a_clear_error(
     assert "STEPRECORD_RETENTION" in done.stderr
     assert "is not a duration" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("retention", ["30s", "59m"])
+def test_a_retention_shorter_than_an_hour_stops_the_service_with_a_clear_error(
+    database_url: str, retention: str
+) -> None:
+    env = {**os.environ, "DATABASE_URL": database_url, "STEPRECORD_RETENTION": retention}
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "serve", "--port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "invalid setting STEPRECORD_RETENTION" in done.stderr
+    assert "shorter than the 1 hour" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "listening" not in done.stderr
+
+
+def test_a_retention_of_an_hour_or_more_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    for text, hours in [("1h", 1), ("60m", 1), ("30d", 720)]:
+        monkeypatch.setenv("STEPRECORD_RETENTION", text)
+        assert Settings().retention == timedelta(hours=hours)
