@@ -176,7 +176,12 @@ class Tokens:
         if grant is None or not hmac.compare_digest(grant.digest, presented):
             return Problem(401, "unauthorized", "unknown or revoked token")
         if needed == "write" and grant.scope != "write":
-            return Problem(403, "forbidden", "this token may only read")
+            return Problem(
+                403,
+                "forbidden",
+                "this token may only read: writes need a token of scope write (steprecord"
+                " token create NAME --scope write)",
+            )
         self._used.add(grant.token_id)
         return grant
 

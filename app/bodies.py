@@ -1,10 +1,13 @@
 """Event bodies: what each write endpoint accepts, checked before anything reaches the database."""
 
+import difflib
 import re
-from datetime import datetime
+from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
     BeforeValidator,
@@ -20,23 +23,25 @@ from pydantic import (
 from app.domain import Event, Kind
 from app.errors import NAME_RULE, Problem, validation_problem
 from app.limits import MAX_INT4, MAX_MESSAGE_BYTES, MAX_URL_CHARS, NAME_PATTERN, URL_PATTERN
-from app.serialize import dumps_value
+from app.serialize import dumps_value, parse_timestamp, timestamp
 
 KINDS: tuple[Kind, ...] = ("declare", "start", "complete", "fail", "heartbeat")
 MAX_LEASE_SECONDS = 86400
 _NAME = re.compile(NAME_PATTERN.removeprefix("^").removesuffix("$"))
-_RFC3339 = re.compile(r"\d{4}-\d\d-\d\d[Tt ]\d\d:\d\d:\d\d(\.\d+)?([Zz]|[+-]\d\d:\d\d)")
-TIMESTAMP_RULE = "must be an RFC 3339 timestamp with an offset, such as 2026-12-02T10:00:00Z"
+# How far ahead of the server's clock an event's time may be: a clock may be off, but a start
+# in year 9999 is a bug that would show as "running 0 ms" for ever.
+MAX_AHEAD = timedelta(hours=24)
 
 
-def _rfc3339(value: Any) -> Any:
-    # One message for an epoch number, a word, a date alone or a missing offset.
-    if not isinstance(value, str) or not _RFC3339.fullmatch(value):
-        raise ValueError(TIMESTAMP_RULE)
-    try:
-        return datetime.fromisoformat(value.upper())
-    except ValueError:
-        raise ValueError(TIMESTAMP_RULE) from None
+def _not_far_ahead(value: datetime) -> datetime:
+    now = datetime.now(UTC)
+    if value > now + MAX_AHEAD:
+        raise ValueError(
+            "is more than 24 hours ahead of the server's clock (now"
+            f" {timestamp(now.replace(microsecond=0))}): send the time the event happened, with"
+            " its offset; if it is right, the clock of the server or the sender is wrong"
+        )
+    return value
 
 
 def _name_format(value: Any) -> Any:
@@ -52,7 +57,9 @@ Name = Annotated[
 ]
 Attempt = Annotated[StrictInt, Field(ge=1, le=MAX_INT4)]
 Ordinal = Annotated[StrictInt, Field(ge=0, le=MAX_INT4)]
-Timestamp = Annotated[AwareDatetime, BeforeValidator(_rfc3339)]
+Timestamp = Annotated[
+    AwareDatetime, BeforeValidator(parse_timestamp), AfterValidator(_not_far_ahead)
+]
 Url = Annotated[StrictStr, Field(pattern=URL_PATTERN, max_length=MAX_URL_CHARS)]
 LeaseSeconds = Annotated[StrictInt, Field(ge=1, le=MAX_LEASE_SECONDS)]
 
@@ -110,18 +117,45 @@ BODIES: dict[Kind, type[_Body]] = {
 }
 
 
-def _errors(exc: ValidationError) -> list[dict[str, str]]:
+# What a batch event holds besides its endpoint's body.
+BATCH_FIELDS = ("instance_key", "step_slug", "kind")
+
+
+def _typo_of(field: str, names: Iterable[Any]) -> str:
+    """Advice for an event lacking `field`: the name it holds that looks like a typo of it."""
+    close = difflib.get_close_matches(field, [str(name) for name in names], n=1, cutoff=0.6)
+    return f" (did you mean {field!r} where the event says {close[0]!r}?)" if close else ""
+
+
+def _errors(exc: ValidationError, known: list[str]) -> list[dict[str, str]]:
+    found = exc.errors(include_url=False)
+    unknown = [str(e["loc"][-1]) for e in found if e["type"] == "extra_forbidden"]
     return [
-        {"field": ".".join(str(p) for p in err["loc"]) or "body", "message": _message(err)}
-        for err in exc.errors(include_url=False)
+        {
+            "field": ".".join(str(p) for p in err["loc"]) or "body",
+            "message": _message(err, known, unknown),
+        }
+        for err in found
     ]
 
 
-def _message(err: Any) -> str:
+def _message(err: Any, known: list[str], unknown: list[str]) -> str:
     if err["type"] == "value_error":  # our own validators' words, without pydantic's prefix
         return str(err["ctx"]["error"])
+    if err["type"] == "extra_forbidden":
+        return unknown_field(str(err["loc"][-1]), known)
+    if err["type"] == "missing":
+        return "required" + _typo_of(str(err["loc"][-1]), unknown)
     message: str = err["msg"]
     return message
+
+
+def unknown_field(name: str, known: list[str]) -> str:
+    """An unknown field, with the known one nearest to it as advice."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    if close:
+        return f"unknown field: did you mean {close[0]!r}?"
+    return f"unknown field: this event takes {', '.join(known)}"
 
 
 def check_names(**names: str) -> None:
@@ -135,8 +169,11 @@ def check_names(**names: str) -> None:
         raise validation_problem(bad)
 
 
-def parse_event(instance_key: str, step_slug: str, kind: Kind, body: Any) -> Event:
-    """Validate one event; raise a `Problem` naming every bad field, or return the event."""
+def parse_event(
+    instance_key: str, step_slug: str, kind: Kind, body: Any, also: tuple[str, ...] = ()
+) -> Event:
+    """Validate one event; raise a `Problem` naming every bad field, or return the event.
+    `also`: the fields the body held besides its endpoint's (a batch event's), as advice."""
     check_names(instance_key=instance_key, step_slug=step_slug)
     if body is None:
         body = {}
@@ -145,7 +182,8 @@ def parse_event(instance_key: str, step_slug: str, kind: Kind, body: Any) -> Eve
     try:
         parsed = BODIES[kind].model_validate(body)
     except ValidationError as exc:
-        raise validation_problem(_errors(exc)) from None
+        known = [*BODIES[kind].model_fields, *also]
+        raise validation_problem(_errors(exc, known)) from None
     fields = parsed.model_dump(exclude_none=True)
     started_at: datetime | None = fields.get("started_at")
     completed_at: datetime | None = fields.get("completed_at")
@@ -187,12 +225,13 @@ def parse_batch_event(item: Any) -> Event:
     instance_key = body.pop("instance_key", None)
     step_slug = body.pop("step_slug", None)
     errors = [
-        {"field": field, "message": "required, a string"}
+        {"field": field, "message": "required, a string" + _typo_of(field, body)}
         for field, value in (("instance_key", instance_key), ("step_slug", step_slug))
         if not isinstance(value, str)
     ]
     if kind not in KINDS:
-        errors.append({"field": "kind", "message": f"one of {', '.join(KINDS)}"})
+        typo = "" if "kind" in item else _typo_of("kind", body)
+        errors.append({"field": "kind", "message": f"one of {', '.join(KINDS)}{typo}"})
     if errors:
         raise validation_problem(errors)
-    return parse_event(instance_key, step_slug, kind, body)
+    return parse_event(instance_key, step_slug, kind, body, BATCH_FIELDS)

@@ -50,7 +50,7 @@ def database(settings: Settings) -> Iterator[str]:
         yield settings.database_url.get_secret_value()
         return
     embedded = EmbeddedPostgres(settings.data_dir)
-    print(f"using the embedded PostgreSQL in {embedded.pgdata}", file=sys.stderr)
+    print(embedded.notice(), file=sys.stderr)
     with embedded:
         yield embedded.url
 

@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     # Finished instances last written longer ago than this are deleted in the background
     # (`30d`, `12h`); unset: kept forever.
     retention: timedelta | None = None
+    # A running step without a lease that started longer ago than this (`90m`, `2h`) shows on
+    # the dashboard's Stuck page and in the `steprecord_long_running_steps` gauge.
+    long_running_after: timedelta = timedelta(hours=1)
     # The dashboard links each attempt to its trace: a URL template containing `{trace_id}`
     # (e.g. `https://jaeger.example/trace/{trace_id}`); unset: the trace id shown as text.
     trace_url: str | None = None
@@ -80,6 +83,11 @@ class Settings(BaseSettings):
                 " `steprecord prune --older-than DURATION` yourself"
             )
         return value
+
+    @field_validator("long_running_after", mode="before")
+    @classmethod
+    def _long_running(cls, value: object) -> object:
+        return parse_duration(value) if isinstance(value, str) else value
 
     @field_validator("trace_url")
     @classmethod

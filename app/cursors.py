@@ -17,6 +17,7 @@ LISTINGS = {
     "i": "the instance list",
     "u": "the steps across instances",
     "a": "a step's attempts",
+    "l": "running_longer_than",
 }
 NOT_A_CURSOR = "not a valid cursor: pass the next_cursor of the previous page unchanged"
 
@@ -104,3 +105,13 @@ def attempts_cursor(last: dict[str, Any]) -> str:
 
 def attempts_position(cursor: str) -> int:
     return _int(_decode(cursor, "a", 1)[0])
+
+
+def long_running_cursor(last: dict[str, Any]) -> str:
+    return _encode("l", last["started_at"], last["id"])
+
+
+def long_running_position(cursor: str) -> list[Any]:
+    """`(started_at, id)` of the last long-running record seen."""
+    started_at, last_id = _decode(cursor, "l", 2)
+    return [_timestamp(started_at, nullable=False), _int(last_id)]

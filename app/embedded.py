@@ -56,6 +56,22 @@ class EmbeddedPostgres:
         self._user = SYSTEM_USER if os.geteuid() == 0 else None
         self._owned = False
 
+    def notice(self) -> str:
+        """What `serve` says before starting it: where the data lives and, as root, what it
+        does to run PostgreSQL as another user."""
+        text = (
+            f"using the embedded PostgreSQL: its data is in {self.pgdata} (STEPRECORD_DATA_DIR),"
+            " kept across restarts; psql, backups, restores and when to move to your own"
+            ' PostgreSQL: docs/operations.md, "The embedded database"'
+        )
+        if self._user is not None:
+            text += (
+                f"\n  as root, it runs PostgreSQL as the system user {self._user} (created if"
+                f" missing), which owns {self.pgdata}; the directories above it and the"
+                f" PostgreSQL binaries in {POSTGRES_BIN_PATH.parent} are made readable by it"
+            )
+        return text
+
     @property
     def _socket_name(self) -> str:
         return SOCKET_NAME if self.port is None else f".s.PGSQL.{self.port}"

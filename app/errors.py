@@ -3,6 +3,7 @@
 import difflib
 import re
 from collections.abc import Iterable
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,6 +32,7 @@ NAME_RULE = (
     " starting with a letter or digit"
 )
 
+# Every problem's title: a phrase a person reads first (the `code` is for programs).
 TITLES = {
     "invalid_json": "Body is not JSON",
     "validation_error": "Invalid request",
@@ -38,19 +40,21 @@ TITLES = {
     "output_conflict": "Both inline and external output",
     "output_too_large": "Output too large",
     "payload_too_large": "Request body too large",
-    "not_found": "Not found",
-    "method_not_allowed": "Method not allowed",
+    "not_found": "No such route",
+    "method_not_allowed": "Method not allowed on this route",
+    "trailing_slash": "Path ends with a slash",
     "not_started": "Step not started",
-    "conflict": "Conflicting event",
-    "stale_attempt": "Stale attempt",
+    "conflict": "Event conflicts with the record",
+    "stale_attempt": "Attempt superseded by a newer one",
     "not_running": "Attempt not running",
-    "ordinal_taken": "Ordinal taken",
+    "ordinal_taken": "Ordinal already taken",
     "instance_active": "Instance has running steps",
     "instance_not_found": "Instance not found",
     "step_not_found": "Step not found",
     "constraint_violation": "Refused by the database",
-    "unauthorized": "Unauthorized",
-    "forbidden": "Forbidden",
+    "unauthorized": "Token missing or not accepted",
+    "forbidden": "Token not allowed to do this",
+    "outside_prefix": "Instance outside the token's key prefix",
     "unavailable": "Database unavailable",
     "internal_error": "Internal error",
 }
@@ -69,7 +73,7 @@ class Problem(Exception):
     def body(self) -> dict[str, Any]:
         return {
             "type": PROBLEM_TYPE + self.code,
-            "title": TITLES.get(self.code, self.code),
+            "title": TITLES.get(self.code) or HTTPStatus(self.status).phrase,
             "status": self.status,
             "detail": self.detail,
             "code": self.code,
@@ -152,6 +156,15 @@ async def _handle_http(request: Request, exc: Exception) -> Response:
         if b"%2f" in request.scope.get("raw_path", b"").lower():
             message = "instance keys and step slugs may not contain /"
             return validation_problem([{"field": "path", "message": message}]).response()
+        slashed = _without_slash(request)
+        if slashed is not None:
+            detail = (
+                f"no route ends with a slash: use {slashed} (this answer redirects there,"
+                " with the same method and body)"
+            )
+            return Problem(307, "trailing_slash", detail, location=slashed).response(
+                {"Location": slashed}
+            )
         detail = f"no route for {request.url.path}: {nearest_route(request)}"
         return Problem(404, "not_found", detail).response()
     if exc.status_code == 405:
@@ -170,6 +183,18 @@ async def _handle_http(request: Request, exc: Exception) -> Response:
     return Problem(exc.status_code, code, str(exc.detail)).response(
         dict(exc.headers) if exc.headers else None
     )
+
+
+def _without_slash(request: Request) -> str | None:
+    """The request's URL without the trailing slash of its path, when a route has that path."""
+    path = request.url.path
+    if path == "/" or not path.endswith("/"):
+        return None
+    bare = path.rstrip("/") or "/"
+    if not any(compile_path(t)[0].match(bare) for t in route_methods(request.app)):
+        return None
+    query = request.url.query
+    return bare + (f"?{query}" if query else "")
 
 
 # How much of an unknown path is compared with the routes (difflib takes quadratic time).
@@ -234,6 +259,8 @@ def _message(err: Any) -> str:
     # Every path parameter is a name (instance key or step slug).
     if err["loc"][0] == "path" and err["type"] in ("string_pattern_mismatch", "string_too_long"):
         return NAME_RULE
+    if err["type"] == "value_error":  # our own validators' words, without pydantic's prefix
+        return str(err["ctx"]["error"])
     message: str = err["msg"]
     return message
 

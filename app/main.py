@@ -148,10 +148,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         routes=routes.ROUTES,
         docs_url=None,
         redoc_url=None,
+        # A trailing slash answers 307 with a problem naming the right URL (app/errors.py).
+        redirect_slashes=False,
     )
     docs.install(app)
     ui.install(app)
     app.state.trace_url = settings.trace_url  # the dashboard's links to traces
+    app.state.long_running_after = settings.long_running_after
     errors.install(app)
     app.add_middleware(AccessControl)
     app.add_middleware(Observe)

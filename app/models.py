@@ -138,6 +138,12 @@ class WorkflowStepRecord(SQLModel, table=True):
             "status",
             postgresql_where=text("status IN ('running', 'failed')"),
         ),
+        Index(
+            "ix_workflow_step_record_running_started_at_id",
+            "started_at",
+            "id",
+            postgresql_where=text("status = 'running'"),
+        ),
         CheckConstraint(f"step_slug ~ '{NAME_PATTERN}'", name="step_slug_format"),
         CheckConstraint(f"ordinal BETWEEN 0 AND {MAX_INT4}", name="ordinal_range"),
         CheckConstraint(
@@ -222,6 +228,12 @@ class WorkflowStepAttempt(SQLModel, table=True):
             ondelete="CASCADE",
         ),
         UniqueConstraint("record_id", "attempt"),
+        # The statistics' window (GET /v1/stats/steps), read from the index alone.
+        Index(
+            None,
+            "started_at",
+            postgresql_include=["instance_id", "record_id", "status", "completed_at"],
+        ),
         CheckConstraint(
             "status IN (" + ", ".join(f"'{s}'" for s in ATTEMPT_STATUSES) + ")",
             name="status_known",

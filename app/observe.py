@@ -11,6 +11,7 @@ import re
 import sys
 import time
 import uuid
+from collections.abc import Iterable
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
@@ -25,7 +26,9 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.registry import Collector
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -103,12 +106,37 @@ def replica_in_use(in_use: bool) -> None:
     REPLICA_IN_USE.set(1 if in_use else 0)
 
 
-def render() -> tuple[bytes, str]:
+class _With(Collector):
+    """Every metric of `source`, then `extra`: figures measured for this scrape alone."""
+
+    def __init__(self, source: Collector, extra: list[Metric]) -> None:
+        self.source, self.extra = source, extra
+
+    def collect(self) -> Iterable[Metric]:
+        yield from self.source.collect()
+        yield from self.extra
+
+
+def long_running(count: int | None) -> list[Metric]:
+    """The gauge of long-running steps, counted in the database for this scrape (None: the
+    database did not answer, and the gauge is left out)."""
+    if count is None:
+        return []
+    gauge = GaugeMetricFamily(
+        "steprecord_long_running_steps",
+        "Running steps without a lease started longer ago than STEPRECORD_LONG_RUNNING_AFTER.",
+    )
+    gauge.add_metric([], count)
+    return [gauge]
+
+
+def render(extra: list[Metric] | None = None) -> tuple[bytes, str]:
+    source: Collector = REGISTRY
     if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-        return generate_latest(registry), CONTENT_TYPE_LATEST
-    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+        source = multiprocess.MultiProcessCollector(None)  # type: ignore[no-untyped-call]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_With(source, extra or []))
+    return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
 class _JSONLines(logging.Formatter):

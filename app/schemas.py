@@ -74,6 +74,36 @@ class InstancePage(BaseModel):
     next_cursor: str | None
 
 
+class AttemptOutcomes(BaseModel):
+    completed: int
+    failed: int
+    superseded: int
+    running: int
+
+
+class Durations(BaseModel):
+    p50: float | None
+    p95: float | None
+    max: float | None
+
+
+class StepStatsItem(BaseModel):
+    name: str = Field(
+        description="The step slug; for a Celery slug (task.name:task-id) the task name alone"
+    )
+    attempts: AttemptOutcomes
+    failure_rate: float | None = Field(description="failed / (completed + failed); null when none")
+    duration_ms: Durations = Field(
+        description="Of the completed and failed attempts, started_at to completed_at"
+    )
+
+
+class StepStats(BaseModel):
+    since: str
+    until: str
+    items: list[StepStatsItem]
+
+
 class FieldError(BaseModel):
     field: str
     message: str

@@ -138,6 +138,23 @@ def timestamp(value: datetime) -> str:
     return value.isoformat()[:-6] + "Z"  # a zero offset prints as "+00:00"
 
 
+_RFC3339 = re.compile(r"\d{4}-\d\d-\d\d[Tt ]\d\d:\d\d:\d\d(\.\d+)?([Zz]|[+-]\d\d:\d\d)")
+TIMESTAMP_RULE = "must be an RFC 3339 timestamp with an offset, such as 2026-12-02T10:00:00Z"
+
+
+def parse_timestamp(value: Any) -> Any:
+    """An RFC 3339 timestamp with its offset, in a body or a query: one message for an epoch
+    number, a word, a date alone or a missing offset (a pydantic validator's `before`)."""
+    if isinstance(value, datetime) and value.tzinfo is not None:
+        return value
+    if not isinstance(value, str) or not _RFC3339.fullmatch(value):
+        raise ValueError(TIMESTAMP_RULE)
+    try:
+        return datetime.fromisoformat(value.upper())
+    except ValueError:
+        raise ValueError(TIMESTAMP_RULE) from None
+
+
 RECORD_KEYS = (
     "id",
     "instance_key",

@@ -138,6 +138,7 @@ def test_scopes_and_unknown_tokens(server: tuple[str, str]) -> None:
         forbidden = httpx.post(url + START, headers=bearer(reader))
         assert forbidden.status_code == 403
         assert forbidden.json()["code"] == "forbidden"
+        assert "need a token of scope write" in forbidden.json()["detail"]
         batch = httpx.post(
             url + "/v1/events",
             headers=bearer(reader),

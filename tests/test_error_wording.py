@@ -20,6 +20,7 @@ from steprecord_client import Recorder, StepRecordError
 from app.access import new_token
 from app.cli import main
 from app.config import Settings
+from app.errors import TITLES, Problem
 from app.main import create_app
 from tests.helpers import (
     ROOT,
@@ -469,8 +470,92 @@ def test_serve_says_the_embedded_database_listens_on_a_unix_socket(tmp_path: Pat
         assert found is not None, banner
         assert (Path(found[1]) / ".s.PGSQL.5432").is_socket()
         assert "port=5432" not in banner
+        assert f"its data is in {tmp_path / 'data' / 'pgdata'} (STEPRECORD_DATA_DIR)" in banner
+        assert '"The embedded database"' in banner
+        if os.geteuid() == 0:
+            assert "as root, it runs PostgreSQL as the system user steprecord-pg" in banner
         assert f"  dashboard: {url}/ui\n" in banner
     finally:
         said = _stopped(proc)
     assert proc.returncode == 0
     assert f"steprecord stopped listening on {url}; the embedded PostgreSQL has stopped too" in said
+
+
+@pytest.mark.parametrize(
+    ("kind", "typo", "meant"),
+    [("start", "atempt", "attempt"), ("fail", "erorr_code", "error_code")],
+)
+def test_a_misspelt_body_field_gets_the_field_meant(
+    client: httpx.Client, kind: str, typo: str, meant: str
+) -> None:
+    body = {typo: 1, "started_at": T1}
+    found = problem(post(client, kind, body), 422, "validation_error")
+    assert {"field": typo, "message": f"unknown field: did you mean {meant!r}?"} in found[
+        "errors"
+    ], found
+    in_batch = batch_problem(
+        client, {"instance_key": "order-1", "step_slug": "charge", "kind": kind, **body}
+    )
+    assert f"did you mean {meant!r}" in in_batch["detail"], in_batch
+
+
+def test_a_misspelt_batch_field_gets_the_field_meant(client: httpx.Client) -> None:
+    found = batch_problem(client, {"instnce_key": "order-1", "step_slug": "a", "kind": "start"})
+    assert found["errors"][0]["field"] == "instance_key"
+    assert "did you mean 'instance_key' where the event says 'instnce_key'?" in found["detail"]
+
+
+def test_a_field_like_no_other_lists_the_fields_taken(client: httpx.Client) -> None:
+    found = problem(post(client, "start", {"zzz": 1}), 422, "validation_error")
+    message = found["errors"][0]["message"]
+    assert message == "unknown field: this event takes attempt, started_at, ordinal, lease_seconds"
+
+
+@pytest.mark.parametrize("value", ["2026-12-02", "2026-12-02T10:00:00", "yesterday"])
+def test_a_query_timestamp_gets_the_same_message_as_a_body_timestamp(
+    client: httpx.Client, value: str
+) -> None:
+    for url, field in (("/v1/steps", "updated_after"), ("/v1/stats/steps", "since")):
+        found = problem(client.get(url, params={field: value}), 422, "validation_error")
+        assert found["errors"] == [
+            {
+                "field": field,
+                "message": "must be an RFC 3339 timestamp with an offset,"
+                " such as 2026-12-02T10:00:00Z",
+            }
+        ], found
+
+
+def test_a_stale_attempt_is_told_it_was_superseded_and_should_stop(client: httpx.Client) -> None:
+    post(client, "start", {"attempt": 1, "started_at": T1})
+    post(client, "start", {"attempt": 2, "started_at": T1})
+    found = problem(post(client, "complete", {"attempt": 1}), 409, "stale_attempt")
+    assert found["title"] == "Attempt superseded by a newer one"
+    assert found["detail"].startswith(
+        "attempt 1 has been superseded by attempt 2: stop working on it; its result is not the"
+        " step's"
+    ), found
+
+
+def test_every_problem_title_is_a_phrase_not_its_code() -> None:
+    for code, title in TITLES.items():
+        assert title != code, code
+        assert " " in title, (code, title)
+    assert Problem(429, "too_many", "wait").body()["title"] == "Too Many Requests"
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/v1/instances/"), ("POST", f"{step_path()}/start/"), ("GET", "/ui/")],
+)
+def test_a_trailing_slash_redirects_with_a_body_naming_the_url(
+    client: httpx.Client, method: str, path: str
+) -> None:
+    response = client.request(method, path + "?limit=5" if method == "GET" else path)
+    found = problem(response, 307, "trailing_slash")
+    bare = path.rstrip("/") + ("?limit=5" if method == "GET" else "")
+    assert response.headers["location"] == bare
+    assert found["location"] == bare
+    assert f"use {bare}" in found["detail"], found
+    followed = client.request(method, path, follow_redirects=True)
+    assert followed.status_code in (200, 201), followed.text

@@ -10,7 +10,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import CheckConstraint, ForeignKeyConstraint, UniqueConstraint
 
 from app.cli import migrate
-from app.data import reads
+from app.data import reads, running, stats
 from app.db import sync_engine
 from app.main import alembic_config
 from app.models import metadata
@@ -459,4 +459,26 @@ def test_list_instances_reads_the_time_index_without_sorting(db: Conn) -> None:
     params = {"before_created_at": "2026-01-01T12:00:00Z", "before_id": 0, "limit": 101}
     text = plan(db, reads.list_instances_query(prefix=False, has=None), params)
     assert "ix_process_instance_created_at_id" in text, text
+    assert "Sort" not in text, text
+
+
+def test_step_statistics_read_the_window_from_the_attempts_start_index(big_table: Conn) -> None:
+    big_table.execute("ANALYZE workflow_step_attempt")
+    params = {"since": "2026-01-01T00:01:00Z", "until": "2026-01-01T00:02:00Z", "limit": 100}
+    text = plan(big_table, stats.step_stats_query(prefix=False), params)
+    assert "ix_workflow_step_attempt_started_at" in text, text
+    assert "Seq Scan on workflow_step_attempt" not in text, text
+    params |= reads.prefix_params("run-5")
+    text = plan(big_table, stats.step_stats_query(prefix=True), params)
+    assert "ix_workflow_step_attempt_started_at" in text, text
+    assert "Seq Scan on workflow_step_attempt" not in text, text
+
+
+@pytest.mark.parametrize("no_lease", [False, True])
+def test_long_running_steps_read_the_running_index_without_sorting(
+    big_table: Conn, no_lease: bool
+) -> None:
+    params = {"older_than": 3600, "after_started_at": "-infinity", "after_id": 0, "limit": 101}
+    text = plan(big_table, running.long_running_query(prefix=False, no_lease=no_lease), params)
+    assert "ix_workflow_step_record_running_started_at_id" in text, text
     assert "Sort" not in text, text

@@ -119,6 +119,7 @@ def test_writes_outside_the_prefix_are_refused_and_write_nothing(world: Tenants)
             assert refused.status_code == 403, refused.text
             body = refused.json()
             assert body["code"] == "outside_prefix"
+            assert body["title"] == "Instance outside the token's key prefix"
             assert body["prefix"] == "acme-"
             assert f"instance {key!r}" in body["detail"]
             assert "starts with 'acme-'" in body["detail"]

@@ -5,11 +5,12 @@
 
 from starlette.routing import BaseRoute
 
-from app.routes import events, health, instances, reads
+from app.routes import events, health, instances, reads, stats
 
 ROUTES: list[BaseRoute] = [
     *events.router.routes,
     *reads.router.routes,
+    *stats.router.routes,
     *instances.router.routes,
     *health.router.routes,
 ]

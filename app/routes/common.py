@@ -7,13 +7,14 @@ from fastapi import Path, Query, Request
 from fastapi.dependencies.models import Dependant
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
+from pydantic import AwareDatetime, BeforeValidator, StringConstraints
 
 from app.db import Pool
 from app.errors import Problem, validation_problem
 from app.limits import MAX_OUTPUT_BYTES, NAME_PATTERN
 from app.models import STATUSES
 from app.replica import ReadPool
-from app.serialize import MAX_DEPTH, BadJSON, UnacceptableJSON, dumps, loads
+from app.serialize import MAX_DEPTH, BadJSON, UnacceptableJSON, dumps, loads, parse_timestamp
 
 MAX_BODY_BYTES = 2 * 1024 * 1024
 MAX_BATCH_BYTES = 16 * 1024 * 1024
@@ -66,6 +67,10 @@ StatusFilter = Annotated[
     str | None, Query(description="Comma-separated statuses, e.g. running,failed")
 ]
 StepSlug = Annotated[str, Path(pattern=NAME_PATTERN, max_length=200)]
+# A timestamp in a query, refused with the same message as in a body.
+QueryTimestamp = Annotated[AwareDatetime, BeforeValidator(parse_timestamp)]
+# The start of instance keys: 1 to 200 characters of the key alphabet.
+KeyPrefix = Annotated[str, StringConstraints(pattern=NAME_PATTERN, max_length=200)]
 
 
 def json_response(body: Any, status: int = 200) -> Response:

@@ -4,9 +4,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from app import observe, schemas, tenancy
-from app.data import revision
+from app.data import revision, running
+from app.db import DatabaseUnavailable
 from app.errors import Problem
-from app.routes.common import KnownQuery, json_response, primary_pool
+from app.routes.common import KnownQuery, json_response, primary_pool, read_pool
 
 router = APIRouter(route_class=KnownQuery)
 
@@ -20,7 +21,14 @@ router = APIRouter(route_class=KnownQuery)
 )
 async def metrics(request: Request) -> Response:
     tenancy.check_unscoped(request.scope, "the metrics count the work of every instance")
-    body, content_type = observe.render()
+    older_than = request.app.state.long_running_after.total_seconds()
+    try:
+        count: int | None = await read_pool(request).run(
+            lambda conn: running.count_long_running(conn, older_than)
+        )
+    except DatabaseUnavailable:
+        count = None
+    body, content_type = observe.render(observe.long_running(count))
     return Response(body, media_type=content_type)
 
 

@@ -6,17 +6,19 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response
-from pydantic import AwareDatetime
 
 from app import cursors, live, schemas, tenancy
 from app.data import reads as data
+from app.data import running
 from app.domain import Page
+from app.errors import validation_problem
 from app.models import STATUSES
 from app.routes.common import (
     Fields,
     InstanceKey,
     KnownQuery,
     Limit,
+    QueryTimestamp,
     StatusFilter,
     StepSlug,
     json_response,
@@ -151,16 +153,28 @@ async def list_recent_steps(
     request: Request,
     status: StatusFilter = None,
     updated_after: Annotated[
-        AwareDatetime | None, Query(description="Only records updated after this time")
+        QueryTimestamp | None, Query(description="Only records updated after this time")
     ] = None,
     lease_expired: Annotated[
         Literal["true"] | None,
         Query(description="`true`: only running steps whose lease has expired"),
     ] = None,
+    running_longer_than: Annotated[
+        int | None,
+        Query(
+            ge=0,
+            le=10**9,
+            description="Only running steps started more than this many seconds ago,"
+            " longest-running first (instead of newest updated_at first)",
+        ),
+    ] = None,
     limit: Limit = 100,
     cursor: str | None = None,
     fields: Fields = "full",
 ) -> Response:
+    if running_longer_than is not None:
+        return await _long_running(request, running_longer_than, status, updated_after,
+                                   lease_expired, limit, cursor, fields)  # fmt: skip
     only = statuses(status) or list(STATUSES)
     before = None if cursor is None else cursors.recent_position(cursor)
     page = await read_pool(request).run(
@@ -175,3 +189,34 @@ async def list_recent_steps(
         )
     )
     return _page(page, lambda r: record_json(r, fields == "summary"), cursors.recent_cursor)
+
+
+async def _long_running(
+    request: Request,
+    seconds: int,
+    status: str | None,
+    updated_after: object,
+    lease_expired: str | None,
+    limit: int,
+    cursor: str | None,
+    fields: str,
+) -> Response:
+    """`running_longer_than`: running records by `started_at`, a listing of its own."""
+    others = {"updated_after": updated_after, "lease_expired": lease_expired}
+    clash = [name for name, value in others.items() if value is not None]
+    if statuses(status) not in (None, ["running"]):
+        clash.insert(0, "status")
+    if clash:
+        message = "lists running steps by how long they have run: leave out " + ", ".join(clash)
+        raise validation_problem([{"field": "running_longer_than", "message": message}])
+    after = None if cursor is None else cursors.long_running_position(cursor)
+    page = await read_pool(request).run(
+        lambda conn: running.list_long_running(
+            conn,
+            older_than=seconds,
+            prefix=tenancy.prefix_of(request.scope),
+            after=after,
+            limit=limit,
+        )
+    )
+    return _page(page, lambda r: record_json(r, fields == "summary"), cursors.long_running_cursor)

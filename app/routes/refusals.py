@@ -9,7 +9,11 @@ from app.serialize import record_json
 
 REFUSALS = {
     "conflict": (409, "the event conflicts with what is recorded for this attempt"),
-    "stale_attempt": (409, "a newer attempt has superseded this one"),
+    "stale_attempt": (
+        409,
+        "a newer attempt has superseded this one: stop working on it; its result is not the"
+        " step's (see current for the attempt that is)",
+    ),
     "not_started": (409, "the step has no start to complete or fail"),
     "ordinal_taken": (409, "no ordinal is left for a new step of this instance"),
     "not_running": (409, "that attempt is not running: it finished, or has not started"),
@@ -65,6 +69,11 @@ def _explain(outcome: str, event: Event, record: dict[str, Any]) -> str | None:
         return (
             f"no ordinal is left for a new step: step {record['step_slug']!r} holds"
             f" {record['ordinal']}, the highest there is (see current)"
+        )
+    if outcome == "stale_attempt" and event.attempt is not None:
+        return (
+            f"attempt {event.attempt} has been superseded by attempt {record['attempt_count']}:"
+            " stop working on it; its result is not the step's (see current)"
         )
     if outcome != "conflict":
         return None

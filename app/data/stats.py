@@ -1,0 +1,102 @@
+"""Step statistics: per step name, the attempts that started in a window, by outcome, with
+the failure rate and the durations of the finished ones.
+
+The window is one range of `ix_workflow_step_attempt_started_at` (migration 0017), which
+holds everything the statistics need of an attempt but its record's slug, read from the
+record's primary key: the cost grows with the attempts in the window, not with the table.
+"""
+
+from datetime import datetime
+from typing import Any
+
+from app.data.reads import IN_PREFIX, prefix_params
+from app.db import AsyncConn
+
+# A Celery task's slug (steprecord_client.celery) is "<task name>:<task id, a UUID>"; its
+# statistics are the task name's, over every task id.
+CELERY_TASK_ID = ":[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}$"
+FINISHED = "a.status IN ('completed', 'failed')"
+
+
+def step_stats_query(*, prefix: bool) -> str:
+    within = (
+        f" AND a.instance_id IN (SELECT p.id FROM process_instance p WHERE {IN_PREFIX})"
+        if prefix
+        else ""
+    )
+    return f"""
+SELECT regexp_replace(r.step_slug, '{CELERY_TASK_ID}', '') AS name,
+       count(*) FILTER (WHERE a.status = 'completed') AS completed,
+       count(*) FILTER (WHERE a.status = 'failed') AS failed,
+       count(*) FILTER (WHERE a.status = 'superseded') AS superseded,
+       count(*) FILTER (WHERE a.status = 'running') AS running,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY d.ms) FILTER (WHERE {FINISHED}) AS p50,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY d.ms) FILTER (WHERE {FINISHED}) AS p95,
+       max(d.ms) FILTER (WHERE {FINISHED}) AS max
+FROM workflow_step_attempt a
+JOIN workflow_step_record r ON r.id = a.record_id
+CROSS JOIN LATERAL (
+    SELECT extract(epoch FROM a.completed_at - a.started_at)::float8 * 1000 AS ms
+) d
+WHERE a.started_at >= %(since)s AND a.started_at < %(until)s{within}
+GROUP BY 1
+ORDER BY count(*) DESC, 1
+LIMIT %(limit)s
+"""
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+async def step_stats(
+    conn: AsyncConn, *, since: datetime, until: datetime, prefix: str | None, limit: int
+) -> list[dict[str, Any]]:
+    """One item per step name, most attempts first (see the module's docstring)."""
+    params: dict[str, Any] = {"since": since, "until": until, "limit": limit}
+    if prefix:
+        params |= prefix_params(prefix)
+    cur = await conn.execute(step_stats_query(prefix=bool(prefix)), params)
+    items = []
+    for row in await cur.fetchall():
+        done = row["completed"] + row["failed"]
+        items.append(
+            {
+                "name": row["name"],
+                "attempts": {
+                    key: row[key] for key in ("completed", "failed", "superseded", "running")
+                },
+                "failure_rate": None if done == 0 else round(row["failed"] / done, 4),
+                "duration_ms": {key: _ms(row[key]) for key in ("p50", "p95", "max")},
+            }
+        )
+    return items
+
+
+FAILURES_PER_HOUR = """
+SELECT h.hour, count(a.*) FILTER (WHERE a.status = 'failed') AS failed
+FROM generate_series(date_trunc('hour', %(since)s::timestamptz),
+                     date_trunc('hour', %(until)s::timestamptz), interval '1 hour') h(hour)
+LEFT JOIN workflow_step_attempt a
+       ON a.started_at >= h.hour AND a.started_at < h.hour + interval '1 hour'
+      AND a.started_at >= %(since)s AND a.started_at < %(until)s{within}
+GROUP BY h.hour
+ORDER BY h.hour
+"""
+
+
+async def failures_per_hour(
+    conn: AsyncConn, *, since: datetime, until: datetime, prefix: str | None
+) -> list[tuple[datetime, int]]:
+    """Failed attempts per hour (by the hour they started) from `since` to `until`, every
+    hour listed, from the same index as the statistics."""
+    within = (
+        f" AND a.instance_id IN (SELECT p.id FROM process_instance p WHERE {IN_PREFIX})"
+        if prefix
+        else ""
+    )
+    params: dict[str, Any] = {"since": since, "until": until}
+    if prefix:
+        params |= prefix_params(prefix)
+    cur = await conn.execute(FAILURES_PER_HOUR.format(within=within), params)
+    return [(row["hour"], row["failed"]) for row in await cur.fetchall()]

@@ -1,0 +1,59 @@
+"""Step statistics across runs: which step is slow, or failing more than usual."""
+
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+
+from app import schemas, tenancy
+from app.data import stats as data
+from app.errors import validation_problem
+from app.routes.common import (
+    KeyPrefix,
+    KnownQuery,
+    Limit,
+    QueryTimestamp,
+    json_response,
+    read_pool,
+)
+from app.serialize import timestamp
+
+router = APIRouter(route_class=KnownQuery)
+DEFAULT_WINDOW = timedelta(hours=24)
+
+
+@router.get(
+    "/v1/stats/steps",
+    tags=["reads"],
+    summary="Per step name: attempts by outcome, failure rate and durations in a window",
+    responses=schemas.read_responses(schemas.StepStats),
+)
+async def step_stats(
+    request: Request,
+    since: Annotated[
+        QueryTimestamp | None,
+        Query(description="Attempts started at or after this time; default until - 24 hours"),
+    ] = None,
+    until: Annotated[
+        QueryTimestamp | None,
+        Query(description="Attempts started before this time; default now"),
+    ] = None,
+    prefix: Annotated[
+        KeyPrefix | None, Query(description="Only instances whose key starts with this")
+    ] = None,
+    limit: Limit = 100,
+) -> Response:
+    end = until or datetime.now(UTC)
+    start = since or end - DEFAULT_WINDOW
+    if start >= end:
+        raise validation_problem(
+            [{"field": "since", "message": "must be before until (the window is since to until)"}]
+        )
+    items: list[dict[str, Any]] = []
+    reachable, within = tenancy.narrow(tenancy.prefix_of(request.scope), prefix)
+    if reachable:
+        items = await read_pool(request).run(
+            lambda conn: data.step_stats(conn, since=start, until=end, prefix=within, limit=limit)
+        )
+    return json_response({"since": timestamp(start), "until": timestamp(end), "items": items})
