@@ -1,7 +1,9 @@
 """Fixtures: a real PostgreSQL migrated by alembic, a live server, and clean tables per test.
 
 With `DATABASE_URL` set, the tests create (and finally drop) their own database on that
-server; without it they start an embedded PostgreSQL in a temporary directory.
+server; without it they start an embedded PostgreSQL in a temporary directory. With
+`STEPRECORD_TEST_CITUS=1` they run on a Citus cluster of their own (a coordinator and two
+workers) instead.
 """
 
 import os
@@ -35,8 +37,16 @@ from tests.helpers import (
 
 
 @pytest.fixture(scope="session")
-def server_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A maintenance connection string to a PostgreSQL server the tests may create databases on."""
+def server_dsn(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A maintenance connection string to a PostgreSQL server the tests may create databases on:
+    with STEPRECORD_TEST_CITUS=1 the coordinator of the `citus` cluster, where every database
+    the tests create is made on all its nodes."""
+    if os.environ.get("STEPRECORD_TEST_CITUS") == "1":
+        cluster: CitusCluster = request.getfixturevalue("citus")
+        yield cluster.url
+        return
     url = os.environ.get("DATABASE_URL")
     if url:
         yield url
