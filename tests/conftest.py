@@ -7,6 +7,8 @@ workers) instead.
 """
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -59,7 +61,7 @@ def server_dsn(
 
 
 @pytest.fixture(scope="session")
-def citus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CitusCluster]:
+def citus() -> Iterator[CitusCluster]:
     """A Citus cluster of the tests' own: a coordinator and two workers, stopped at the end.
     Without Citus installed its tests are skipped, except in CI (`CI=true`), where they fail."""
     bin_path = citus_bin_path()
@@ -68,8 +70,15 @@ def citus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CitusCluster]:
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI needs the Citus tests: {reason}")
         pytest.skip(reason)
-    with citus_cluster(tmp_path_factory.mktemp("citus"), bin_path) as cluster:
-        yield cluster
+    # Not under pytest's temporary root: a concurrent pytest run of the same user makes that
+    # private again, and the nodes, running as another user under root, then cannot open
+    # their files when they connect to each other.
+    root = Path(tempfile.mkdtemp(prefix="steprecord-citus-"))
+    try:
+        with citus_cluster(root, bin_path) as cluster:
+            yield cluster
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
