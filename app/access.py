@@ -20,6 +20,7 @@ import hmac
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -66,6 +67,27 @@ class Grant:
     key_prefix: str | None  # only instances whose key starts with it exist for this token
 
 
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """How a request was let in, kept in its scope's state: a stream asks again later."""
+
+    grant: Grant | None  # None: anonymous
+    direct: bool  # it reached a loopback address and names no proxy
+
+    @property
+    def holder(self) -> int | None:
+        """Whose request it is: its token's id, None for anonymous access."""
+        return None if self.grant is None else self.grant.token_id
+
+
+ADMISSION = "admission"  # the key of the request's `Admission` in its scope's state
+
+
+def admission_of(scope: Scope) -> Admission:
+    admission: Admission = scope["state"][ADMISSION]
+    return admission
+
+
 def _log_access(tokens: int, anonymous_allowed: bool) -> None:
     """One line when this worker's view of access changes (and at its first load): when each
     worker took a created or revoked token into account, for an audit and for the tests."""
@@ -90,6 +112,9 @@ class Tokens:
         self._refresh = refresh
         self._grants: dict[bytes, Grant] | None = None  # None until first loaded
         self._used: set[int] = set()
+        # Called when the grants or the anonymous policy change (the live hub: its streams
+        # check their access again).
+        self.on_change: Callable[[], None] | None = None
 
     async def load(self) -> None:
         async with self._pool.connection() as conn:
@@ -111,9 +136,12 @@ class Tokens:
         changed = self._grants is None or (
             grants.keys() != self._grants.keys() or anonymous_allowed != self._anonymous_allowed
         )
+        revised = grants != self._grants or anonymous_allowed != self._anonymous_allowed
         self._anonymous_allowed, self._grants = anonymous_allowed, grants
         if changed:
             _log_access(len(grants), anonymous_allowed)
+        if revised and self.on_change is not None:
+            self.on_change()
 
     async def keep_loading(self) -> None:
         """Reload for as long as the worker runs: a reload that stopped would keep revoked
@@ -137,6 +165,13 @@ class Tokens:
         if grant is None or not hmac.compare_digest(grant.digest, presented):
             return None
         return grant.scope
+
+    def admits(self, admission: Admission) -> bool:
+        """Whether a request let in as `admission` would still be let in now (read scope): its
+        token still active and unchanged, or anonymous access still open to it."""
+        if admission.grant is None:
+            return self.check(None, "read", direct=admission.direct) is None
+        return (self._grants or {}).get(admission.grant.digest) == admission.grant
 
     def check(
         self, authorization: str | None, needed: str, *, direct: bool
@@ -216,9 +251,11 @@ class AccessControl:
         needed = "read" if scope["method"] in READ_METHODS else "write"
         if authorization is None and cookie is not None and scope["method"] in COOKIE_METHODS:
             authorization = f"Bearer {cookie}"
-        problem = tokens.check(authorization, needed, direct=_is_direct(scope, proxied))
+        direct = _is_direct(scope, proxied)
+        problem = tokens.check(authorization, needed, direct=direct)
         if not isinstance(problem, Problem):
             grant = problem
+            scope.setdefault("state", {})[ADMISSION] = Admission(grant, direct)
             if grant is not None and grant.key_prefix is not None:
                 tenancy.set_prefix(scope, grant.key_prefix)
             await self.app(scope, receive, send)

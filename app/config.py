@@ -51,6 +51,11 @@ class Settings(BaseSettings):
     listen_url: SecretStr | None = None
     # Seconds of silence after which an open stream sends a keepalive comment.
     stream_heartbeat_seconds: float = Field(default=15.0, gt=0, le=3600)
+    # Seconds a stream stays open at most; then it ends, and a browser reconnects by itself
+    # (its access checked afresh).
+    stream_max_seconds: float = Field(default=3600.0, gt=0, le=86400)
+    # Streams one token (or anonymous access) may hold open on one worker; beyond, 429.
+    streams_per_token: int = Field(default=100, ge=1, le=100000)
     # Finished instances last written longer ago than this are deleted in the background
     # (`30d`, `12h`); unset: kept forever.
     retention: timedelta | None = None

@@ -55,6 +55,7 @@ TITLES = {
     "unauthorized": "Token missing or not accepted",
     "forbidden": "Token not allowed to do this",
     "outside_prefix": "Instance outside the token's key prefix",
+    "too_many_streams": "Too many open streams for this token",
     "unavailable": "Database unavailable",
     "internal_error": "Internal error",
 }
@@ -142,7 +143,8 @@ def to_problem(exc: Exception) -> Problem:
 
 def problem_response(exc: Exception) -> Response:
     problem = to_problem(exc)
-    headers = {"Retry-After": RETRY_AFTER_SECONDS} if problem.status == 503 else None
+    retry = problem.status in (429, 503)
+    headers = {"Retry-After": RETRY_AFTER_SECONDS} if retry else None
     return problem.response(headers)
 
 

@@ -22,8 +22,15 @@ The listener's session is open only while the worker has a stream open: a worker
 streams has nothing to wake, and receiving a notification for every write it and every other
 worker takes would cost it CPU for nothing (a tenth of a worker's time under a batch load).
 Nothing is lost while the listener is away: a stream's position, not the notifications,
-says what it has sent, and once the listener (re)starts every stream reads once. Each
-keepalive is followed by a read too, so no change can wait longer than one heartbeat.
+says what it has sent, and once the listener (re)starts every stream reads once. While the
+listener is away each keepalive is followed by a read too, so no change waits longer than one
+heartbeat; while it listens an idle stream reads nothing.
+
+A stream is held by the token that opened it (or by anonymous access): it ends when that
+token is revoked (the worker's token cache tells the hub when its tokens change, and every
+stream checks its access again, as it does at each keepalive), after
+`STEPRECORD_STREAM_MAX_SECONDS` (a browser's EventSource reconnects by itself, checked
+afresh), and a token holds at most `STEPRECORD_STREAMS_PER_TOKEN` streams per worker.
 
 With a read replica, the reads go to the replica while it is healthy and to the primary
 otherwise; a position means the same on both (see `stream.STREAM_CHANGES`). A notification
@@ -89,18 +96,27 @@ OPENING_AT_ONCE = 16
 
 
 class Subscription:
-    """One open stream of an instance: set `dirty` when it may have something to read, and
-    `target`, the primary's WAL position a replica must have replayed for that read."""
+    """One open stream of an instance: `dirty` is set when it has something to do: `stale`,
+    it may have something to read, and `target` is the primary's WAL position a replica must
+    have replayed for that read; `recheck`, the worker's tokens changed and the stream must
+    check its access again."""
 
-    __slots__ = ("dirty", "instance_id", "target")
+    __slots__ = ("dirty", "instance_id", "recheck", "stale", "target")
 
     def __init__(self, instance_id: int) -> None:
         self.instance_id = instance_id
         self.dirty = asyncio.Event()
+        self.stale = False
+        self.recheck = False
         self.target = 0
 
     def wake(self, target: int = 0) -> None:
         self.target = max(self.target, target)
+        self.stale = True
+        self.dirty.set()
+
+    def check_access(self) -> None:
+        self.recheck = True
         self.dirty.set()
 
 
@@ -109,6 +125,7 @@ class Hub:
 
     def __init__(self) -> None:
         self._streams: dict[int, set[Subscription]] = {}
+        self._per_holder: dict[int | None, int] = {}  # open streams by token id (None: anonymous)
         self.closing = False
         self.wanted = asyncio.Event()  # set while a stream is open: the listener is needed
         self.listening = asyncio.Event()  # set while the listener's LISTEN is in force
@@ -117,7 +134,7 @@ class Hub:
     def subscribe(self, instance_id: int) -> Iterator[Subscription]:
         subscription = Subscription(instance_id)
         # A change may have committed between the stream's first read and now: read once more.
-        subscription.dirty.set()
+        subscription.wake()
         self._streams.setdefault(instance_id, set()).add(subscription)
         self.wanted.set()
         STREAMS_OPEN.inc()
@@ -140,6 +157,27 @@ class Hub:
         for streams in self._streams.values():
             for subscription in streams:
                 subscription.wake(target)
+
+    def access_changed(self) -> None:
+        """The worker's tokens changed (one revoked, the first one created): every stream
+        checks its access again now, without reading."""
+        for streams in self._streams.values():
+            for subscription in streams:
+                subscription.check_access()
+
+    def admit(self, holder: int | None, limit: int) -> bool:
+        """Count a new stream of `holder` (a token's id; None: anonymous) unless it already
+        has `limit` open on this worker; `leave` when it ends."""
+        held = self._per_holder.get(holder, 0)
+        if held >= limit:
+            return False
+        self._per_holder[holder] = held + 1
+        return True
+
+    def leave(self, holder: int | None) -> None:
+        held = self._per_holder.pop(holder) - 1
+        if held:
+            self._per_holder[holder] = held
 
     def close(self) -> None:
         """End every stream (the server is shutting down; clients resume elsewhere)."""
@@ -318,10 +356,20 @@ def _frame(record: dict[str, Any]) -> bytes:
 
 
 async def sse_body(
-    reads: ReadPool, hub: Hub, instance_key: str, first: Update, heartbeat: float
+    reads: ReadPool,
+    hub: Hub,
+    instance_key: str,
+    first: Update,
+    *,
+    heartbeat: float,
+    lifetime: float,
+    allowed: Callable[[], bool],
 ) -> AsyncIterator[bytes]:
-    """The stream's body: `first` (what the handler read), then every later change."""
+    """The stream's body: `first` (what the handler read), then every later change, for at
+    most `lifetime` seconds and while `allowed()` (its token still grants it access), which
+    it asks at each keepalive and whenever the worker's tokens change."""
     loop = asyncio.get_running_loop()
+    ends_at = loop.time() + lifetime
     behind_delay, behind_since = BEHIND_SECONDS, None
     with hub.subscribe(first.instance_id) as subscription:
         # The first stream of a worker starts its listener: send nothing before it listens,
@@ -354,17 +402,23 @@ async def sse_body(
                 else:
                     read_at, behind_delay, behind_since = None, BEHIND_SECONDS, None
                 changes = None
-            wake_at = last_sent + heartbeat
+            wake_at = min(last_sent + heartbeat, ends_at)
             if read_at is not None:
                 wake_at = min(wake_at, read_at)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout_at(wake_at):
                     await subscription.dirty.wait()
-            if hub.closing:
-                return
+            subscription.dirty.clear()
             now = loop.time()
-            if subscription.dirty.is_set() or (read_at is not None and now >= read_at):
-                subscription.dirty.clear()
+            if hub.closing or now >= ends_at:
+                return  # a browser's EventSource reconnects by itself
+            keepalive = now >= last_sent + heartbeat
+            if subscription.recheck or keepalive:
+                subscription.recheck = False
+                if not allowed():
+                    return  # its token was revoked (or anonymous access ended)
+            if subscription.stale or (read_at is not None and now >= read_at):
+                subscription.stale = False
                 pending = subscription.target
                 try:
                     changes = await read_changes(
@@ -380,12 +434,15 @@ async def sse_body(
                         return  # deleted, and its key already taken by a new instance
                     if changes.caught_up:
                         covered = max(covered, pending)
-            elif now >= last_sent + heartbeat:
+            elif keepalive:
                 yield KEEPALIVE
                 last_sent = now
-                # A safety net: had a notification been lost (a listener misconfigured behind
-                # PgBouncer, say), its change waits no longer than one heartbeat.
-                subscription.dirty.set()
+                # An idle stream reads nothing at a keepalive while the listener listens (its
+                # notifications wake it); while the listener is away it reads, so a change
+                # waits no longer than one heartbeat (and every stream reads once when the
+                # listener is back).
+                if not hub.listening.is_set():
+                    subscription.wake()
 
 
 class SSEResponse(StreamingResponse):
@@ -394,17 +451,21 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[bytes]) -> None:
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         super().__init__(body, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._body = body
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            aclose = getattr(self._body, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            try:
+                aclose = getattr(self._body, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                self._on_close()  # also for a body never started (the client went away)
 
 
 class Openings:

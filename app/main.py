@@ -96,6 +96,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Every read path takes its connection here: `await app.state.read_pool.run(work)`.
         app.state.read_pool = reads
         app.state.hub, app.state.stream_heartbeat = live.Hub(), settings.stream_heartbeat_seconds
+        app.state.stream_max_seconds = settings.stream_max_seconds
+        app.state.streams_per_token = settings.streams_per_token
+        tokens.on_change = app.state.hub.access_changed  # revoked tokens' streams end
         app.state.schema_known = known_revisions()
         app.state.schema_accepted = frozenset({app.state.schema_head, *COMPATIBLE_AHEAD})
         with contextlib.suppress(DatabaseUnavailable, SchemaMissing):

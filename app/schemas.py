@@ -215,6 +215,7 @@ def stream_responses() -> dict[int | str, dict[str, Any]]:
         },
         404: _problem("Instance not found"),
         422: _problem("Invalid request (a garbled event id)"),
+        429: _problem("Too many open streams for this token (with Retry-After)"),
         503: _problem("Database unavailable"),
     }
 

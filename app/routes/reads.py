@@ -7,11 +7,11 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response
 
-from app import cursors, live, schemas, tenancy
+from app import access, cursors, live, schemas, tenancy
 from app.data import reads as data
 from app.data import running
 from app.domain import Page
-from app.errors import validation_problem
+from app.errors import Problem, validation_problem
 from app.models import STATUSES
 from app.routes.common import (
     Fields,
@@ -137,10 +137,30 @@ async def stream_instance(
     else:
         after = (0, 0)
     reads, state = read_pool(request), request.app.state
-    first = await live.read_changes(reads, instance_key, after)
-    return live.SSEResponse(
-        live.sse_body(reads, state.hub, instance_key, first, state.stream_heartbeat)
+    admission = access.admission_of(request.scope)
+    hub: live.Hub = state.hub
+    if not hub.admit(admission.holder, state.streams_per_token):
+        raise Problem(
+            429,
+            "too_many_streams",
+            f"this token already holds {state.streams_per_token} open streams on this worker"
+            " (STEPRECORD_STREAMS_PER_TOKEN): close one, or share one stream per instance",
+        )
+    try:
+        first = await live.read_changes(reads, instance_key, after)
+    except BaseException:
+        hub.leave(admission.holder)
+        raise
+    body = live.sse_body(
+        reads,
+        hub,
+        instance_key,
+        first,
+        heartbeat=state.stream_heartbeat,
+        lifetime=state.stream_max_seconds,
+        allowed=lambda: state.tokens.admits(admission),
     )
+    return live.SSEResponse(body, on_close=lambda: hub.leave(admission.holder))
 
 
 @router.get(
