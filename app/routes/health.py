@@ -7,7 +7,7 @@ from app import observe, schemas, tenancy
 from app.data import revision, running
 from app.db import DatabaseUnavailable
 from app.errors import Problem
-from app.routes.common import KnownQuery, json_response, primary_pool, read_pool
+from app.routes.common import KnownQuery, json_response, primary_pool
 
 router = APIRouter(route_class=KnownQuery)
 
@@ -22,10 +22,11 @@ router = APIRouter(route_class=KnownQuery)
 async def metrics(request: Request) -> Response:
     tenancy.check_unscoped(request.scope, "the metrics count the work of every instance")
     older_than = request.app.state.long_running_after.total_seconds()
+    # On the primary, uncounted: a scrape is not a read of the API, and the gauge must not
+    # lag behind a replica.
     try:
-        count: int | None = await read_pool(request).run(
-            lambda conn: running.count_long_running(conn, older_than)
-        )
+        async with primary_pool(request).connection() as conn:
+            count: int | None = await running.count_long_running(conn, older_than)
     except DatabaseUnavailable:
         count = None
     body, content_type = observe.render(observe.long_running(count))
