@@ -7,12 +7,9 @@ workers) instead.
 """
 
 import os
-import shutil
-import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,6 +30,7 @@ from tests.helpers import (
     drop_database,
     migrated_database,
     pgbouncer,
+    server_directory,
     start_server,
     stop,
 )
@@ -53,11 +51,12 @@ def server_dsn(
     if url:
         yield url
         return
-    embedded = EmbeddedPostgres(tmp_path_factory.mktemp("embedded"))
-    try:
-        yield embedded.start()
-    finally:
-        embedded.stop()
+    with server_directory() as directory:
+        embedded = EmbeddedPostgres(directory)
+        try:
+            yield embedded.start()
+        finally:
+            embedded.stop()
 
 
 @pytest.fixture(scope="session")
@@ -70,15 +69,8 @@ def citus() -> Iterator[CitusCluster]:
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI needs the Citus tests: {reason}")
         pytest.skip(reason)
-    # Not under pytest's temporary root: a concurrent pytest run of the same user makes that
-    # private again, and the nodes, running as another user under root, then cannot open
-    # their files when they connect to each other.
-    root = Path(tempfile.mkdtemp(prefix="steprecord-citus-"))
-    try:
-        with citus_cluster(root, bin_path) as cluster:
-            yield cluster
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with server_directory() as root, citus_cluster(root, bin_path) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")
@@ -94,14 +86,15 @@ def database_url(server_dsn: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def own_postgres(tmp_path: Path) -> Iterator[EmbeddedPostgres]:
+def own_postgres() -> Iterator[EmbeddedPostgres]:
     """An embedded PostgreSQL of the test's own, which the test may stop and start."""
-    embedded = EmbeddedPostgres(tmp_path / "pg")
-    embedded.start()
-    try:
-        yield embedded
-    finally:
-        embedded.stop()
+    with server_directory() as directory:
+        embedded = EmbeddedPostgres(directory / "pg")
+        embedded.start()
+        try:
+            yield embedded
+        finally:
+            embedded.stop()
 
 
 @pytest.fixture

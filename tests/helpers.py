@@ -565,6 +565,19 @@ def pgbouncer(database_url: str) -> Iterator[str]:
             proc.wait()
 
 
+@contextmanager
+def server_directory() -> Iterator[Path]:
+    """A directory for PostgreSQL servers a test starts, removed afterwards. Not under pytest's
+    temporary root: a concurrent pytest run of the same user makes that private again, and a
+    server running as another user (the embedded one under root) then cannot open its files."""
+    directory = Path(tempfile.mkdtemp(prefix="steprecord-test-"))
+    directory.chmod(0o755)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def make_replica(primary: EmbeddedPostgres, data_dir: Path) -> EmbeddedPostgres:
     """A hot standby streaming from `primary`: a base backup with its recovery settings."""
     replica = EmbeddedPostgres(data_dir)

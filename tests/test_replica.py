@@ -29,6 +29,7 @@ from tests.helpers import (
     make_replica,
     metric,
     metrics,
+    server_directory,
     start_server,
     stop,
 )
@@ -47,8 +48,13 @@ class Replicated:
 
 
 @contextlib.contextmanager
-def replicated_service(tmp_path: Path, **settings: str) -> Iterator[Replicated]:
+def replicated_service(**settings: str) -> Iterator[Replicated]:
     """A primary, its replica and a service reading from it (with `settings` on top)."""
+    with server_directory() as directory:
+        yield from _replicated(directory, settings)
+
+
+def _replicated(tmp_path: Path, settings: dict[str, str]) -> Iterator[Replicated]:
     primary = EmbeddedPostgres(tmp_path / "primary")
     primary.start()
     try:
@@ -76,8 +82,8 @@ def replicated_service(tmp_path: Path, **settings: str) -> Iterator[Replicated]:
 
 
 @pytest.fixture
-def replicated(tmp_path: Path) -> Iterator[Replicated]:
-    with replicated_service(tmp_path) as service:
+def replicated() -> Iterator[Replicated]:
+    with replicated_service() as service:
         yield service
 
 
@@ -348,15 +354,11 @@ def test_a_write_reaches_a_stream_while_replay_is_paused_and_nothing_is_repeated
     assert [event.id for event in snapshot] == [event.id for event in sent]
 
 
-def test_a_busy_replica_pool_sends_the_read_to_the_primary_and_stays_in_use(
-    tmp_path: Path,
-) -> None:
+def test_a_busy_replica_pool_sends_the_read_to_the_primary_and_stays_in_use() -> None:
     """One connection to each server; a read on the replica holds the one it has (waiting for
     a lock replayed from the primary): another read goes to the primary at once."""
     with (
-        replicated_service(
-            tmp_path, STEPRECORD_POOL_SIZE="1", STEPRECORD_DB_TIMEOUT="4"
-        ) as replicated,
+        replicated_service(STEPRECORD_POOL_SIZE="1", STEPRECORD_DB_TIMEOUT="4") as replicated,
         httpx.Client(base_url=replicated.url, timeout=10) as client,
         psycopg.connect(replicated.replica.url, autocommit=True) as standby,
         psycopg.connect(replicated.primary.url) as locker,
