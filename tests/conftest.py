@@ -10,6 +10,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -83,6 +84,13 @@ def database_url(server_dsn: str) -> Iterator[str]:
         yield url
     finally:
         drop_database(server_dsn, name)
+
+
+@pytest.fixture
+def server_dir() -> Iterator[Path]:
+    """A directory for a PostgreSQL server the test starts (see `server_directory`)."""
+    with server_directory() as directory:
+        yield directory
 
 
 @pytest.fixture

@@ -459,9 +459,9 @@ def test_serve_prints_the_pages_to_open_and_says_when_it_stops(
     assert "embedded" not in said
 
 
-def test_serve_says_the_embedded_database_listens_on_a_unix_socket(tmp_path: Path) -> None:
+def test_serve_says_the_embedded_database_listens_on_a_unix_socket(server_dir: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
-    env["STEPRECORD_DATA_DIR"] = str(tmp_path / "data")
+    env["STEPRECORD_DATA_DIR"] = str(server_dir / "data")
     url, proc, banner = _serve(env)
     try:
         found = re.search(
@@ -470,7 +470,7 @@ def test_serve_says_the_embedded_database_listens_on_a_unix_socket(tmp_path: Pat
         assert found is not None, banner
         assert (Path(found[1]) / ".s.PGSQL.5432").is_socket()
         assert "port=5432" not in banner
-        assert f"its data is in {tmp_path / 'data' / 'pgdata'} (STEPRECORD_DATA_DIR)" in banner
+        assert f"its data is in {server_dir / 'data' / 'pgdata'} (STEPRECORD_DATA_DIR)" in banner
         assert '"The embedded database"' in banner
         if os.geteuid() == 0:
             assert "as root, it runs PostgreSQL as the system user steprecord-pg" in banner

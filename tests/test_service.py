@@ -50,8 +50,8 @@ def serve_embedded(data_dir: Path, *extra: str) -> tuple[str, subprocess.Popen[b
     return url, proc
 
 
-def test_serve_without_database_url_runs_embedded_and_keeps_records(tmp_path: Path) -> None:
-    data_dir = tmp_path / "data"
+def test_serve_without_database_url_runs_embedded_and_keeps_records(server_dir: Path) -> None:
+    data_dir = server_dir / "data"
     url, proc = serve_embedded(data_dir)
     try:
         created = httpx.post(f"{url}/v1/instances/run-1/steps/a/start", json={"attempt": 1})
