@@ -27,7 +27,7 @@ from app.access import SCOPES, new_token
 from app.config import Settings, is_loopback, parse_duration, redact
 from app.data import retention, tokens
 from app.embedded import EmbeddedPostgres
-from app.limits import PREFIX_RE
+from app.limits import PREFIX_DELIMITED_RE, PREFIX_RE
 from app.main import alembic_config, create_app
 
 
@@ -211,7 +211,7 @@ async def _token(args: argparse.Namespace, url: str) -> int:
                 )
             except domain.ConstraintViolation as exc:
                 print(
-                    f"cannot create token {args.name!r}: {_refusal(exc, args.name)}",
+                    f"cannot create token {args.name!r}: {_refusal(exc, args.name, args.prefix)}",
                     file=sys.stderr,
                 )
                 return 1
@@ -276,13 +276,15 @@ USE_RECORDED = (
 )
 
 
-def _refusal(exc: domain.ConstraintViolation, name: str) -> str:
+def _refusal(exc: domain.ConstraintViolation, name: str, prefix: str | None) -> str:
     if exc.constraint == "uq_api_token_name":
         return f"a token of that name exists (revoke it with: steprecord token revoke {name})"
     if exc.constraint == "ck_api_token_name_format":
         return "a name is 1-200 characters of [A-Za-z0-9._:-], starting with a letter or digit"
     if exc.constraint == "ck_api_token_key_prefix_format":
         return PREFIX_RULE
+    if exc.constraint == "ck_api_token_key_prefix_separated":
+        return undelimited(prefix or "")
     return f"refused by {exc.constraint}"
 
 
@@ -292,9 +294,21 @@ PREFIX_RULE = (
 )
 
 
+def undelimited(prefix: str) -> str:
+    """Why a prefix must end with a separator, and the delimited prefix to use instead."""
+    stem = prefix.rstrip(".:-") or "acme"
+    return (
+        f"the prefix {prefix!r} must end with ':', '-' or '.', so that it cannot reach keys that"
+        f" merely start the same way ({stem!r} would reach {stem + 'evil-1'!r}):"
+        f" use e.g. {stem[:99] + ':'!r}"
+    )
+
+
 def key_prefix(text: str) -> str:
     if not PREFIX_RE.fullmatch(text):
         raise argparse.ArgumentTypeError(PREFIX_RULE)
+    if not PREFIX_DELIMITED_RE.search(text):
+        raise argparse.ArgumentTypeError(undelimited(text))
     return text
 
 
@@ -444,8 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     p_create.add_argument(
         "--prefix",
         type=key_prefix,
-        help="reach only the instances whose key starts with PREFIX (others do not exist for"
-        " this token); without it, every instance",
+        help="reach only the instances whose key starts with PREFIX, which ends with ':', '-'"
+        " or '.' (others do not exist for this token); without it, every instance",
     )
     actions.add_parser(
         "list",

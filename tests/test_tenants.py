@@ -251,6 +251,48 @@ def test_a_prefix_outside_the_key_alphabet_is_refused(tenants: Tenants) -> None:
     assert refused.value.diag.constraint_name == "ck_api_token_key_prefix_format"
 
 
+def test_an_undelimited_prefix_is_refused_suggesting_a_delimited_one(tenants: Tenants) -> None:
+    done = steprecord(
+        tenants.database_url, "token", "create", "bad", "--scope", "read", "--prefix", "acme"
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert "must end with ':', '-' or '.'" in done.stderr
+    assert "'acmeevil-1'" in done.stderr
+    assert "use e.g. 'acme:'" in done.stderr
+    with (
+        psycopg.connect(tenants.database_url) as conn,
+        pytest.raises(psycopg.errors.CheckViolation) as refused,
+    ):
+        conn.execute(
+            "INSERT INTO api_token (name, scope, token_sha256, key_prefix)"
+            " VALUES ('bad', 'read', sha256('x'), 'acme')"
+        )
+    assert refused.value.diag.constraint_name == "ck_api_token_key_prefix_separated"
+
+
+def test_a_delimited_prefix_never_reaches_keys_that_merely_start_the_same(
+    world: Tenants,
+) -> None:
+    for key in ("acmeevil-1", "acme:1"):
+        start = world.send("POST", f"/v1/instances/{key}/steps/a/start", world.admin)
+        assert start.status_code == 201, start.text
+    colon = world.create("acme-colon", "write", "acme:")
+    world.loaded(BASE_TOKENS + 1)
+    try:
+        listed = world.every("GET", "/v1/instances", colon).json()["items"]
+        assert [item["instance_key"] for item in listed] == ["acme:1"]
+        for key in ("acmeevil-1", "acme-1"):
+            read = world.every("GET", f"/v1/instances/{key}", colon)
+            assert read.status_code == 404, read.text
+            write = world.every("POST", f"/v1/instances/{key}/steps/x/start", colon)
+            assert write.status_code == 403, write.text
+        assert world.every("GET", "/v1/instances/acme:1", colon).status_code == 200
+    finally:
+        assert steprecord(world.database_url, "token", "revoke", "acme-colon").returncode == 0
+        world.loaded(BASE_TOKENS)
+
+
 # --- the lists' plans ----------------------------------------------------------------------
 
 
