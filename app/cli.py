@@ -29,6 +29,7 @@ from app.data import retention, tokens
 from app.embedded import EmbeddedPostgres
 from app.limits import PREFIX_DELIMITED_RE, PREFIX_RE
 from app.main import alembic_config, create_app
+from app.server import ServerConfig
 
 
 def openapi_json() -> str:
@@ -133,7 +134,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                 return cannot_listen(args.host, args.port, exc)
             listened = True
             print(_banner(args, settings, url), file=sys.stderr, flush=True)
-            config = uvicorn.Config(
+            config = ServerConfig(
                 "app.main:create_app",
                 factory=True,
                 host=args.host,
@@ -142,6 +143,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                 log_level="warning",
                 access_log=False,
                 timeout_graceful_shutdown=30,
+                header_timeout=settings.header_timeout_seconds,
+                limit_concurrency=settings.max_connections,
                 # A worker answers the supervisor's health check only once it has imported the
                 # app; on a busy machine that takes longer than uvicorn's 5 s, and a worker
                 # killed for it is replaced by one just as slow, so none would ever start.

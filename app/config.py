@@ -66,6 +66,12 @@ class Settings(BaseSettings):
     # (e.g. `https://jaeger.example/trace/{trace_id}`); unset: the trace id shown as text.
     trace_url: str | None = None
 
+    # Seconds a client has to send a request's headers (slow clients: see app/server.py);
+    # then 408 and the connection is closed.
+    header_timeout_seconds: float = Field(default=10.0, gt=0, le=600)
+    # Connections one worker serves at once; beyond, a request is answered 503 at once.
+    max_connections: int = Field(default=1000, ge=1, le=1000000)
+
     @field_validator("prepare_threshold", mode="before")
     @classmethod
     def _none(cls, value: object) -> object:
