@@ -5,6 +5,7 @@ import asyncio
 import errno
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -124,6 +125,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
             # The workers build their app from the environment.
             os.environ["DATABASE_URL"] = url
             os.environ["STEPRECORD_INSECURE_NO_AUTH"] = "1" if args.insecure_no_auth else "0"
+            # One key for the dashboard's sessions across the workers, unless configured.
+            os.environ.setdefault("STEPRECORD_SESSION_SECRET", secrets.token_urlsafe(32))
             metrics_dir = None
             if args.workers > 1:
                 metrics_dir = tempfile.TemporaryDirectory(prefix="steprecord-metrics-")
@@ -145,6 +148,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                 timeout_graceful_shutdown=30,
                 header_timeout=settings.header_timeout_seconds,
                 limit_concurrency=settings.max_connections,
+                forwarded_allow_ips=settings.trusted_proxies,
                 # A worker answers the supervisor's health check only once it has imported the
                 # app; on a busy machine that takes longer than uvicorn's 5 s, and a worker
                 # killed for it is replaced by one just as slow, so none would ever start.

@@ -42,6 +42,16 @@ class Tenants:
         assert done.returncode == 0, done.stderr
         return {"Authorization": f"Bearer {done.stdout.strip()}"}
 
+    def signed_in(self, token: dict[str, str]) -> dict[str, str]:
+        """The Cookie header of a dashboard session of `token`, signed in with the form."""
+        answer = httpx.post(
+            self.url + "/ui/login",
+            data={"token": token["Authorization"].removeprefix("Bearer ")},
+            headers={"Origin": self.url},
+        )
+        assert answer.status_code == 303, answer.text
+        return {"Cookie": answer.headers["set-cookie"].split(";")[0]}
+
     def loaded(self, tokens: int) -> None:
         eventually(lambda: access_loaded(self.log, WORKERS, tokens))
 
@@ -188,8 +198,7 @@ def test_the_lists_show_only_the_prefix_and_cursors_do_not_cross(world: Tenants)
 
 
 def test_the_dashboard_shows_only_the_prefix(world: Tenants) -> None:
-    token = world.acme_read["Authorization"].removeprefix("Bearer ")
-    cookie = {"Cookie": f"steprecord_ui_token={token}"}
+    cookie = world.signed_in(world.acme_read)
     listing = world.every("GET", "/ui", cookie).text
     assert "acme-1" in listing
     assert "acme-2" in listing
@@ -291,6 +300,20 @@ def test_a_delimited_prefix_never_reaches_keys_that_merely_start_the_same(
     finally:
         assert steprecord(world.database_url, "token", "revoke", "acme-colon").returncode == 0
         world.loaded(BASE_TOKENS)
+
+
+def test_a_dashboard_session_holds_on_every_worker_until_its_token_is_revoked(
+    world: Tenants,
+) -> None:
+    token = world.create("dashboard-session", "read", "acme-")
+    world.loaded(BASE_TOKENS + 1)
+    cookie = world.signed_in(token)
+    assert world.every("GET", "/ui", cookie).status_code == 200  # one secret for the workers
+    assert steprecord(world.database_url, "token", "revoke", "dashboard-session").returncode == 0
+    world.loaded(BASE_TOKENS)
+    refused = world.every("GET", "/ui", cookie)
+    assert refused.status_code == 401
+    assert "The token this browser kept is unknown or revoked" in refused.text
 
 
 # --- the lists' plans ----------------------------------------------------------------------
