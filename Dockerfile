@@ -22,5 +22,6 @@ HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
 # Configure with DATABASE_URL; create a token first (`steprecord token create`) or the
 # service refuses to listen on a public address without one.
+# It serves plain HTTP: in production run it behind a TLS-terminating proxy or load balancer.
 ENTRYPOINT ["steprecord"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -4,9 +4,10 @@ Each worker reloads the tokens every few seconds, so a check costs no database r
 and a new or revoked token takes effect on every worker within that time. Only SHA-256
 digests are held; a presented token is hashed and looked up by digest.
 
-The dashboard (README, "Dashboard") keeps a token in the cookie `steprecord_ui_token`; the
-cookie is a credential for GET and HEAD requests only and grants read scope at most, so a
-write token saved there can never write, and a request forged by another site cannot either.
+The dashboard (README, "Dashboard") keeps a session in the cookie `steprecord_ui_token`: a
+signed, expiring value naming a token, never the token itself (app/sessions.py). The cookie
+is a credential for GET and HEAD requests only and grants read scope at most, so a session
+of a write token can never write, and a request forged by another site cannot either.
 
 Without any token, a request may be anonymous only when it is direct: it reached a loopback
 address of this server (the local end of its connection, not the configured host) and
@@ -20,12 +21,13 @@ import hmac
 import logging
 import os
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app import docs, domain, tenancy, ui
+from app import docs, domain, sessions, tenancy, ui
 from app.config import is_loopback
 from app.data import tokens
 from app.db import DatabaseUnavailable, Pool
@@ -111,6 +113,7 @@ class Tokens:
         self._anonymous_allowed = False  # the database's access policy, loaded with the tokens
         self._refresh = refresh
         self._grants: dict[bytes, Grant] | None = None  # None until first loaded
+        self._by_id: dict[int, Grant] = {}  # the same grants, by token id (sessions name it)
         self._used: set[int] = set()
         # Called when the grants or the anonymous policy change (the live hub: its streams
         # check their access again).
@@ -138,6 +141,7 @@ class Tokens:
         )
         revised = grants != self._grants or anonymous_allowed != self._anonymous_allowed
         self._anonymous_allowed, self._grants = anonymous_allowed, grants
+        self._by_id = {grant.token_id: grant for grant in grants.values()}
         if changed:
             _log_access(len(grants), anonymous_allowed)
         if revised and self.on_change is not None:
@@ -158,13 +162,23 @@ class Tokens:
                 log.exception("tokens not reloaded: unexpected error")
                 failures = min(failures + 1, 10)
 
-    def scope_of(self, token: str) -> str | None:
-        """The scope of an active token, None for an unknown one (or before the first load)."""
+    def grant_of(self, token: str) -> Grant | None:
+        """The grant of an active token, None for an unknown one (or before the first load)."""
         presented = digest(token)
         grant = (self._grants or {}).get(presented)
         if grant is None or not hmac.compare_digest(grant.digest, presented):
             return None
-        return grant.scope
+        return grant
+
+    def session(self, value: str, secret: bytes) -> Grant | None:
+        """The grant of the token a dashboard session names, when the session is unexpired,
+        signed with `secret`, and its token still active; None otherwise."""
+        token_id = sessions.token_id_of(value, time.time())
+        grant = None if token_id is None else self._by_id.get(token_id)
+        if grant is None or not sessions.verify(secret, value, grant.digest):
+            return None
+        self._used.add(grant.token_id)
+        return grant
 
     def admits(self, admission: Admission) -> bool:
         """Whether a request let in as `admission` would still be let in now (read scope): its
@@ -249,10 +263,11 @@ class AccessControl:
             elif name in PROXY_HEADERS:
                 proxied = True
         needed = "read" if scope["method"] in READ_METHODS else "write"
-        if authorization is None and cookie is not None and scope["method"] in COOKIE_METHODS:
-            authorization = f"Bearer {cookie}"
         direct = _is_direct(scope, proxied)
-        problem = tokens.check(authorization, needed, direct=direct)
+        session = None
+        if authorization is None and cookie is not None and scope["method"] in COOKIE_METHODS:
+            session = tokens.session(cookie, scope["app"].state.session_secret)
+        problem = session or tokens.check(authorization, needed, direct=direct)
         if not isinstance(problem, Problem):
             grant = problem
             scope.setdefault("state", {})[ADMISSION] = Admission(grant, direct)

@@ -5,6 +5,7 @@ import asyncio
 import errno
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -27,8 +28,9 @@ from app.access import SCOPES, new_token
 from app.config import Settings, is_loopback, parse_duration, redact
 from app.data import retention, tokens
 from app.embedded import EmbeddedPostgres
-from app.limits import PREFIX_RE
+from app.limits import PREFIX_DELIMITED_RE, PREFIX_RE
 from app.main import alembic_config, create_app
+from app.server import ServerConfig
 
 
 def openapi_json() -> str:
@@ -123,6 +125,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
             # The workers build their app from the environment.
             os.environ["DATABASE_URL"] = url
             os.environ["STEPRECORD_INSECURE_NO_AUTH"] = "1" if args.insecure_no_auth else "0"
+            # One key for the dashboard's sessions across the workers, unless configured.
+            os.environ.setdefault("STEPRECORD_SESSION_SECRET", secrets.token_urlsafe(32))
             metrics_dir = None
             if args.workers > 1:
                 metrics_dir = tempfile.TemporaryDirectory(prefix="steprecord-metrics-")
@@ -133,7 +137,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                 return cannot_listen(args.host, args.port, exc)
             listened = True
             print(_banner(args, settings, url), file=sys.stderr, flush=True)
-            config = uvicorn.Config(
+            config = ServerConfig(
                 "app.main:create_app",
                 factory=True,
                 host=args.host,
@@ -142,6 +146,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                 log_level="warning",
                 access_log=False,
                 timeout_graceful_shutdown=30,
+                header_timeout=settings.header_timeout_seconds,
+                limit_concurrency=settings.max_connections,
+                forwarded_allow_ips=settings.trusted_proxies,
                 # A worker answers the supervisor's health check only once it has imported the
                 # app; on a busy machine that takes longer than uvicorn's 5 s, and a worker
                 # killed for it is replaced by one just as slow, so none would ever start.
@@ -211,7 +218,7 @@ async def _token(args: argparse.Namespace, url: str) -> int:
                 )
             except domain.ConstraintViolation as exc:
                 print(
-                    f"cannot create token {args.name!r}: {_refusal(exc, args.name)}",
+                    f"cannot create token {args.name!r}: {_refusal(exc, args.name, args.prefix)}",
                     file=sys.stderr,
                 )
                 return 1
@@ -276,13 +283,15 @@ USE_RECORDED = (
 )
 
 
-def _refusal(exc: domain.ConstraintViolation, name: str) -> str:
+def _refusal(exc: domain.ConstraintViolation, name: str, prefix: str | None) -> str:
     if exc.constraint == "uq_api_token_name":
         return f"a token of that name exists (revoke it with: steprecord token revoke {name})"
     if exc.constraint == "ck_api_token_name_format":
         return "a name is 1-200 characters of [A-Za-z0-9._:-], starting with a letter or digit"
     if exc.constraint == "ck_api_token_key_prefix_format":
         return PREFIX_RULE
+    if exc.constraint == "ck_api_token_key_prefix_separated":
+        return undelimited(prefix or "")
     return f"refused by {exc.constraint}"
 
 
@@ -292,9 +301,21 @@ PREFIX_RULE = (
 )
 
 
+def undelimited(prefix: str) -> str:
+    """Why a prefix must end with a separator, and the delimited prefix to use instead."""
+    stem = prefix.rstrip(".:-") or "acme"
+    return (
+        f"the prefix {prefix!r} must end with ':', '-' or '.', so that it cannot reach keys that"
+        f" merely start the same way ({stem!r} would reach {stem + 'evil-1'!r}):"
+        f" use e.g. {stem[:99] + ':'!r}"
+    )
+
+
 def key_prefix(text: str) -> str:
     if not PREFIX_RE.fullmatch(text):
         raise argparse.ArgumentTypeError(PREFIX_RULE)
+    if not PREFIX_DELIMITED_RE.search(text):
+        raise argparse.ArgumentTypeError(undelimited(text))
     return text
 
 
@@ -444,8 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     p_create.add_argument(
         "--prefix",
         type=key_prefix,
-        help="reach only the instances whose key starts with PREFIX (others do not exist for"
-        " this token); without it, every instance",
+        help="reach only the instances whose key starts with PREFIX, which ends with ':', '-'"
+        " or '.' (others do not exist for this token); without it, every instance",
     )
     actions.add_parser(
         "list",

@@ -66,6 +66,33 @@ class Settings(BaseSettings):
     # (e.g. `https://jaeger.example/trace/{trace_id}`); unset: the trace id shown as text.
     trace_url: str | None = None
 
+    # Seconds a client has to send a request's headers (slow clients: see app/server.py);
+    # then 408 and the connection is closed.
+    header_timeout_seconds: float = Field(default=10.0, gt=0, le=600)
+    # Connections one worker serves at once; beyond, a request is answered 503 at once.
+    max_connections: int = Field(default=1000, ge=1, le=1000000)
+
+    # The key that signs the dashboard's sessions (its cookie names a token, never holds it);
+    # unset: `serve` makes one at start for its workers, so sessions end when it restarts and
+    # are not shared with other instances: give every instance the same one to share them.
+    session_secret: SecretStr | None = None
+    # How long a dashboard session lasts before the browser asks for the token again.
+    session_seconds: float = Field(default=43200.0, ge=60, le=30 * 86400)
+    # Proxies whose X-Forwarded-Proto (and X-Forwarded-For) are believed: addresses or
+    # networks, comma-separated, or `*` when only the proxy can reach the service. A request
+    # one of them says came over https gets the dashboard's cookie marked `Secure`.
+    trusted_proxies: str = "127.0.0.1,::1"
+
+    @field_validator("session_secret")
+    @classmethod
+    def _secret_long_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 32:
+            raise ValueError(
+                "a session secret is at least 32 characters: make one with"
+                " python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            )
+        return value
+
     @field_validator("prepare_threshold", mode="before")
     @classmethod
     def _none(cls, value: object) -> object:

@@ -8,6 +8,9 @@ NAME_RE = re.compile(NAME_PATTERN)
 # A token's key prefix: the start of a key, 1 to 100 characters.
 PREFIX_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$"
 PREFIX_RE = re.compile(PREFIX_PATTERN)
+# ... which ends with a separator, so that `acme:` never reaches `acmeevil:1`.
+PREFIX_DELIMITED_PATTERN = "[.:-]$"
+PREFIX_DELIMITED_RE = re.compile(PREFIX_DELIMITED_PATTERN)
 URL_PATTERN = "^[A-Za-z][A-Za-z0-9+.-]*://"
 MAX_OUTPUT_BYTES = 1024 * 1024
 MAX_MESSAGE_BYTES = 65536

@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import functools
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -158,8 +159,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     ui.install(app)
     app.state.trace_url = settings.trace_url  # the dashboard's links to traces
     app.state.long_running_after = settings.long_running_after
+    # The dashboard's sessions: signed with the configured secret, or one of this process.
+    secret = settings.session_secret
+    app.state.session_secret = (
+        secrets.token_bytes(32) if secret is None else secret.get_secret_value().encode()
+    )
+    app.state.session_seconds = settings.session_seconds
     errors.install(app)
     app.add_middleware(AccessControl)
+    app.add_middleware(ui.DashboardHeaders)  # outside the access check: its 401 page too
     app.add_middleware(Observe)
     app.add_middleware(live.Openings)  # streams opening at once wait their turn, outside all
     # Server spans, outside every other middleware, only when tracing is on.

@@ -36,6 +36,7 @@ from app.limits import (
     MAX_OUTPUT_BYTES,
     MAX_URL_CHARS,
     NAME_PATTERN,
+    PREFIX_DELIMITED_PATTERN,
     PREFIX_PATTERN,
     URL_PATTERN,
 )
@@ -307,6 +308,7 @@ class ApiToken(SQLModel, table=True):
         CheckConstraint("scope IN ('read', 'write')", name="scope_known"),
         CheckConstraint("octet_length(token_sha256) = 32", name="token_sha256_size"),
         CheckConstraint(f"key_prefix ~ '{PREFIX_PATTERN}'", name="key_prefix_format"),
+        CheckConstraint(f"key_prefix ~ '{PREFIX_DELIMITED_PATTERN}'", name="key_prefix_separated"),
     )
 
     id: int | None = Field(

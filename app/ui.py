@@ -17,9 +17,10 @@ from urllib.parse import parse_qs, quote, urlsplit
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader
-from starlette.types import Scope
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import cursors, domain, static, tenancy
+from app import cursors, domain, sessions, static, tenancy
 from app.data import dashboard, reads
 from app.db import AsyncConn
 from app.errors import Problem
@@ -34,7 +35,8 @@ CSS = static.url("ui", "ui.css")
 JS = static.url("ui", "ui.js")
 LOGIN = "/ui/login"
 LOGOUT = "/ui/logout"
-# The login form checks the token itself, so it needs none (nor write scope for its POST).
+# The login form checks the token itself, so it needs none (nor write scope for its POST);
+# signing out only forgets the cookie.
 OPEN_PATHS = frozenset({CSS, JS, LOGIN, LOGOUT})
 PAGE_SIZE = 50
 MAX_STEPS = 1000  # the most steps an instance page shows; the API lists any number
@@ -494,6 +496,37 @@ async def login_form(request: Request) -> Response:
     return _login_form(None, 200, request.query_params.get("next"))
 
 
+def same_origin(request: Request) -> bool:
+    """Whether a form was posted from a page of this service: its `Origin` (or, without one,
+    its `Referer`) names the host the request was sent to (`Host`, or `X-Forwarded-Host` as
+    a proxy passes it on). A browser always sends one of them with a form's POST, and another
+    site's page cannot make it name this service."""
+    origin = request.headers.get("origin") or request.headers.get("referer")
+    if not origin or origin == "null":
+        return False
+    netloc = urlsplit(origin).netloc.lower()
+    hosts = [request.headers.get("host") or ""]
+    hosts += (request.headers.get("x-forwarded-host") or "").split(",")
+    return bool(netloc) and netloc in {host.strip().lower() for host in hosts}
+
+
+CROSS_SITE = (
+    "This form was sent from another site, or without saying where from: open the dashboard"
+    " itself and sign in there."
+)
+
+
+def _cookie_flags(request: Request) -> dict[str, Any]:
+    # `Secure` when the request came over https: directly, or through a proxy the operator
+    # trusts (STEPRECORD_TRUSTED_PROXIES; the server takes the scheme from its header).
+    return {
+        "httponly": True,
+        "samesite": "strict",
+        "path": "/",
+        "secure": request.url.scheme == "https",
+    }
+
+
 @router.post(LOGIN)
 async def login(request: Request) -> Response:
     body = b""
@@ -502,30 +535,81 @@ async def login(request: Request) -> Response:
         if len(body) > MAX_LOGIN_BYTES:
             return _login_form("That is not a token.", 413, "/ui")
     form = parse_qs(body.decode("utf-8", "replace"))
-    token = (form.get("token") or [""])[0].strip()
     target = _safe_next((form.get("next") or [""])[0])
-    scope = request.app.state.tokens.scope_of(token) if token else None
-    if scope is None:
+    if not same_origin(request):
+        return _login_form(CROSS_SITE, 403, target)
+    token = (form.get("token") or [""])[0].strip()
+    grant = request.app.state.tokens.grant_of(token) if token else None
+    if grant is None:
         return _login_form("That token is unknown or revoked.", 401, target)
+    seconds = request.app.state.session_seconds
+    expires = int(datetime.now(UTC).timestamp() + seconds)
+    session = sessions.sign(request.app.state.session_secret, grant.token_id, grant.digest, expires)
     response = RedirectResponse(target, status_code=303)
-    response.set_cookie(
-        COOKIE,
-        token,
-        httponly=True,
-        samesite="strict",
-        path="/",
-        secure=request.url.scheme == "https",
-    )
+    response.set_cookie(COOKIE, session, max_age=int(seconds), **_cookie_flags(request))
     return response
 
 
 @router.get(LOGOUT)
-async def logout(request: Request) -> Response:
-    response = RedirectResponse("/ui", status_code=303)
-    response.delete_cookie(
-        COOKIE, path="/", httponly=True, samesite="strict", secure=request.url.scheme == "https"
+async def logout_page(request: Request) -> Response:
+    """Signing out is a POST (the Log out button): a link or an image on another site must
+    not sign anyone out. A GET only says so."""
+    response = render(
+        request,
+        "message.html",
+        405,
+        title="Sign out",
+        message="Signing out is done with the Log out button at the top of each page.",
     )
+    response.headers["Allow"] = "POST"
     return response
+
+
+@router.post(LOGOUT)
+async def logout(request: Request) -> Response:
+    if not same_origin(request):
+        return render(request, "message.html", 403, title="Sign out", message=CROSS_SITE)
+    response = RedirectResponse("/ui", status_code=303)
+    response.delete_cookie(COOKIE, **_cookie_flags(request))
+    return response
+
+
+# Sent with every dashboard page (the sign-in form and refusals included): no other site may
+# frame it (clickjacking), it loads and sends nothing but this service's own files and forms,
+# and neither the browser nor a proxy keeps a copy of a page.
+PAGE_HEADERS = {
+    "x-frame-options": "DENY",
+    "content-security-policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; style-src-attr 'unsafe-inline';"
+        " img-src 'self' data:; connect-src 'self'; form-action 'self'; base-uri 'none';"
+        " frame-ancestors 'none'"
+    ),
+    "cache-control": "no-store",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "same-origin",
+}
+
+
+class DashboardHeaders:
+    """ASGI middleware adding `PAGE_HEADERS` to every response under `/ui`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path_ = scope.get("path", "")
+        if scope["type"] != "http" or not (path_ == "/ui" or path_.startswith("/ui/")):
+            await self.app(scope, receive, send)
+            return
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in PAGE_HEADERS.items():
+                    headers[name] = value
+            await send(message)
+
+        await self.app(scope, receive, sending)
 
 
 def install(app: FastAPI) -> None:

@@ -42,6 +42,16 @@ class Tenants:
         assert done.returncode == 0, done.stderr
         return {"Authorization": f"Bearer {done.stdout.strip()}"}
 
+    def signed_in(self, token: dict[str, str]) -> dict[str, str]:
+        """The Cookie header of a dashboard session of `token`, signed in with the form."""
+        answer = httpx.post(
+            self.url + "/ui/login",
+            data={"token": token["Authorization"].removeprefix("Bearer ")},
+            headers={"Origin": self.url},
+        )
+        assert answer.status_code == 303, answer.text
+        return {"Cookie": answer.headers["set-cookie"].split(";")[0]}
+
     def loaded(self, tokens: int) -> None:
         eventually(lambda: access_loaded(self.log, WORKERS, tokens))
 
@@ -188,8 +198,7 @@ def test_the_lists_show_only_the_prefix_and_cursors_do_not_cross(world: Tenants)
 
 
 def test_the_dashboard_shows_only_the_prefix(world: Tenants) -> None:
-    token = world.acme_read["Authorization"].removeprefix("Bearer ")
-    cookie = {"Cookie": f"steprecord_ui_token={token}"}
+    cookie = world.signed_in(world.acme_read)
     listing = world.every("GET", "/ui", cookie).text
     assert "acme-1" in listing
     assert "acme-2" in listing
@@ -249,6 +258,62 @@ def test_a_prefix_outside_the_key_alphabet_is_refused(tenants: Tenants) -> None:
             " VALUES ('bad', 'read', sha256('x'), 'acme/')"
         )
     assert refused.value.diag.constraint_name == "ck_api_token_key_prefix_format"
+
+
+def test_an_undelimited_prefix_is_refused_suggesting_a_delimited_one(tenants: Tenants) -> None:
+    done = steprecord(
+        tenants.database_url, "token", "create", "bad", "--scope", "read", "--prefix", "acme"
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert "must end with ':', '-' or '.'" in done.stderr
+    assert "'acmeevil-1'" in done.stderr
+    assert "use e.g. 'acme:'" in done.stderr
+    with (
+        psycopg.connect(tenants.database_url) as conn,
+        pytest.raises(psycopg.errors.CheckViolation) as refused,
+    ):
+        conn.execute(
+            "INSERT INTO api_token (name, scope, token_sha256, key_prefix)"
+            " VALUES ('bad', 'read', sha256('x'), 'acme')"
+        )
+    assert refused.value.diag.constraint_name == "ck_api_token_key_prefix_separated"
+
+
+def test_a_delimited_prefix_never_reaches_keys_that_merely_start_the_same(
+    world: Tenants,
+) -> None:
+    for key in ("acmeevil-1", "acme:1"):
+        start = world.send("POST", f"/v1/instances/{key}/steps/a/start", world.admin)
+        assert start.status_code == 201, start.text
+    colon = world.create("acme-colon", "write", "acme:")
+    world.loaded(BASE_TOKENS + 1)
+    try:
+        listed = world.every("GET", "/v1/instances", colon).json()["items"]
+        assert [item["instance_key"] for item in listed] == ["acme:1"]
+        for key in ("acmeevil-1", "acme-1"):
+            read = world.every("GET", f"/v1/instances/{key}", colon)
+            assert read.status_code == 404, read.text
+            write = world.every("POST", f"/v1/instances/{key}/steps/x/start", colon)
+            assert write.status_code == 403, write.text
+        assert world.every("GET", "/v1/instances/acme:1", colon).status_code == 200
+    finally:
+        assert steprecord(world.database_url, "token", "revoke", "acme-colon").returncode == 0
+        world.loaded(BASE_TOKENS)
+
+
+def test_a_dashboard_session_holds_on_every_worker_until_its_token_is_revoked(
+    world: Tenants,
+) -> None:
+    token = world.create("dashboard-session", "read", "acme-")
+    world.loaded(BASE_TOKENS + 1)
+    cookie = world.signed_in(token)
+    assert world.every("GET", "/ui", cookie).status_code == 200  # one secret for the workers
+    assert steprecord(world.database_url, "token", "revoke", "dashboard-session").returncode == 0
+    world.loaded(BASE_TOKENS)
+    refused = world.every("GET", "/ui", cookie)
+    assert refused.status_code == 401
+    assert "The token this browser kept is unknown or revoked" in refused.text
 
 
 # --- the lists' plans ----------------------------------------------------------------------

@@ -463,6 +463,7 @@ def test_migration_0016_adds_the_trace_id_and_its_downgrade_restores_0015(
         assert set(dict(conn.execute(FUNCTIONS).fetchall())) == {
             name.replace(")", ",text)") for name in before
         }
+    config.attributes["force"] = True  # the trace ids are dropped knowingly (it refuses else)
     command.downgrade(config, "0015")
     with psycopg.connect(scratch_database, autocommit=True) as conn:
         assert dict(conn.execute(FUNCTIONS).fetchall()) == before

@@ -18,6 +18,7 @@ import psycopg
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
+from app import sessions
 from app.access import new_token
 from app.cli import migrate
 from app.data import dashboard, reads
@@ -272,9 +273,20 @@ def guarded(server_dsn: str) -> Iterator[tuple[str, str, str]]:
 
 
 def login(url: str, token: str, **headers: str) -> httpx.Response:
+    """The sign-in form posted as a browser posts it from the service's own page."""
     return httpx.post(
-        f"{url}/ui/login", data={"token": token, "next": "/ui/failing"}, headers=headers
+        f"{url}/ui/login",
+        data={"token": token, "next": "/ui/failing"},
+        headers={"Origin": url, **headers},
     )
+
+
+def session_of(answer: httpx.Response) -> str:
+    """The dashboard's session a sign-in answer sets in its cookie."""
+    value = answer.headers["set-cookie"].split(";")[0]
+    name, _, session = value.partition("=")
+    assert name == "steprecord_ui_token"
+    return session
 
 
 def test_with_tokens_the_dashboard_asks_for_a_token(guarded: tuple[str, str, str]) -> None:
@@ -305,11 +317,11 @@ def test_a_read_token_is_kept_in_an_httponly_strict_cookie(guarded: tuple[str, s
     assert answer.status_code == 303
     assert answer.headers["location"] == "/ui/failing"
     cookie = answer.headers["set-cookie"]
-    assert cookie.startswith(f"steprecord_ui_token={read};")
+    assert cookie.startswith("steprecord_ui_token=")
     flags = {part.strip().lower() for part in cookie.split(";")[1:]}
     assert {"httponly", "samesite=strict", "path=/"} <= flags
     assert "secure" not in flags  # plain http: a Secure cookie would never come back
-    jar = {"steprecord_ui_token": read}
+    jar = {"steprecord_ui_token": session_of(answer)}
     with httpx.Client(base_url=url, cookies=jar) as browser_like:
         assert browser_like.get("/ui").status_code == 200
         assert browser_like.get("/v1/instances").status_code == 200  # so the stream works too
@@ -328,8 +340,9 @@ def test_the_cookie_never_grants_write_even_for_a_write_token(
     guarded: tuple[str, str, str],
 ) -> None:
     url, _, write = guarded
-    assert login(url, write).status_code == 303
-    jar = {"steprecord_ui_token": write}
+    answer = login(url, write)
+    assert answer.status_code == 303
+    jar = {"steprecord_ui_token": session_of(answer)}
     with httpx.Client(base_url=url, cookies=jar) as browser_like:
         assert browser_like.get("/ui").status_code == 200
         refused = browser_like.post("/v1/instances/c-1/steps/a/start")
@@ -344,17 +357,124 @@ def test_the_cookie_never_grants_write_even_for_a_write_token(
 def test_signing_in_returns_only_to_a_dashboard_page(guarded: tuple[str, str, str]) -> None:
     url, read, _ = guarded
     for target in ("https://evil.example/", "//evil.example/ui", "/ui/../v1", "/metrics"):
-        answer = httpx.post(f"{url}/ui/login", data={"token": read, "next": target})
+        answer = httpx.post(
+            f"{url}/ui/login", data={"token": read, "next": target}, headers={"Origin": url}
+        )
         assert answer.status_code == 303
         assert answer.headers["location"] == "/ui", target
 
 
 def test_logging_out_clears_the_cookie(guarded: tuple[str, str, str]) -> None:
     url, read, _ = guarded
-    answer = httpx.get(f"{url}/ui/logout", cookies={"steprecord_ui_token": read})
+    session = session_of(login(url, read))
+    answer = httpx.post(
+        f"{url}/ui/logout", cookies={"steprecord_ui_token": session}, headers={"Origin": url}
+    )
     assert answer.status_code == 303
     cookie = answer.headers["set-cookie"].lower()
     assert cookie.startswith('steprecord_ui_token="";') or "max-age=0" in cookie
+
+
+def test_a_sign_in_posted_from_another_site_is_refused_and_sets_no_cookie(
+    guarded: tuple[str, str, str],
+) -> None:
+    url, read, _ = guarded
+    form = {"token": read, "next": "/ui"}
+    for headers in (
+        {"Origin": "https://evil.example"},
+        {"Origin": "null"},
+        {"Referer": "https://evil.example/page"},
+        {},  # a browser always says where a form came from
+    ):
+        refused = httpx.post(f"{url}/ui/login", data=form, headers=headers)
+        assert refused.status_code == 403, headers
+        assert "set-cookie" not in refused.headers
+        assert "another site" in refused.text
+    accepted = httpx.post(f"{url}/ui/login", data=form, headers={"Referer": f"{url}/ui/login"})
+    assert accepted.status_code == 303
+    assert "set-cookie" in accepted.headers
+
+
+def test_the_cookie_holds_a_signed_expiring_session_never_the_token(
+    guarded: tuple[str, str, str],
+) -> None:
+    url, read, _ = guarded
+    answer = login(url, read)
+    session = session_of(answer)
+    assert read not in answer.headers["set-cookie"]
+    assert read.removeprefix("sr_") not in session
+    flags = {part.strip().lower() for part in answer.headers["set-cookie"].split(";")[1:]}
+    assert "max-age=43200" in flags  # it expires (STEPRECORD_SESSION_SECONDS)
+    assert httpx.get(f"{url}/ui", cookies={"steprecord_ui_token": session}).status_code == 200
+    token_id, expires, mac = session.split(".")
+    for forged in (
+        f"{token_id}.{int(expires) + 86400}.{mac}",  # a later expiry, same signature
+        f"{int(token_id) + 1}.{expires}.{mac}",  # another token
+        f"{token_id}.{expires}.{mac[:-2]}AA",
+    ):
+        page = httpx.get(f"{url}/ui", cookies={"steprecord_ui_token": forged})
+        assert page.status_code == 401, forged
+    as_bearer = httpx.get(f"{url}/v1/instances", headers={"Authorization": f"Bearer {session}"})
+    assert as_bearer.status_code == 401  # a session is no token
+
+
+def test_a_session_past_its_expiry_names_no_token() -> None:
+    secret, digest = b"k" * 32, bytes(32)
+    now = time.time()
+    assert sessions.token_id_of(sessions.sign(secret, 7, digest, int(now) + 60), now) == 7
+    assert sessions.token_id_of(sessions.sign(secret, 7, digest, int(now) - 1), now) is None
+    assert sessions.verify(secret, sessions.sign(secret, 7, digest, 1), digest)
+    assert not sessions.verify(b"x" * 32, sessions.sign(secret, 7, digest, 1), digest)
+
+
+def test_signing_out_is_a_post_from_the_dashboard_itself(guarded: tuple[str, str, str]) -> None:
+    url, read, _ = guarded
+    jar = {"steprecord_ui_token": session_of(login(url, read))}
+    page = httpx.get(f"{url}/ui/logout", cookies=jar)
+    assert page.status_code == 405
+    assert page.headers["allow"] == "POST"
+    assert "set-cookie" not in page.headers  # a link or an image cannot sign anyone out
+    forged = httpx.post(f"{url}/ui/logout", cookies=jar, headers={"Origin": "https://evil.example"})
+    assert forged.status_code == 403
+    assert "set-cookie" not in forged.headers
+    assert httpx.get(f"{url}/ui", cookies=jar).status_code == 200  # still signed in
+
+
+def test_dashboard_pages_may_not_be_framed_nor_kept(guarded: tuple[str, str, str]) -> None:
+    url, read, _ = guarded
+    jar = {"steprecord_ui_token": session_of(login(url, read))}
+    pages = [
+        httpx.get(f"{url}/ui"),  # the sign-in form, as a refusal
+        httpx.get(f"{url}/ui/login"),
+        httpx.get(f"{url}/ui", cookies=jar),
+        httpx.get(f"{url}/ui/failing", cookies=jar),
+        httpx.get(f"{url}/ui/instances/nothing-here", cookies=jar),
+    ]
+    for page in pages:
+        assert page.headers["x-frame-options"] == "DENY", page.url
+        policy = page.headers["content-security-policy"]
+        assert "frame-ancestors 'none'" in policy
+        assert "script-src 'self'" in policy
+        assert page.headers["cache-control"] == "no-store"
+
+
+def test_the_cookie_is_not_secure_on_the_word_of_an_untrusted_proxy(server_dsn: str) -> None:
+    name = "steprecord_ui_proxy_" + uuid.uuid4().hex[:8]
+    database_url = create_database(server_dsn, name)
+    try:
+        migrate(database_url)
+        read = insert_token(database_url, "dashboard", "read")
+        # Only 192.0.2.1 is trusted: the test's requests come from 127.0.0.1.
+        url, proc = start_server(database_url, env={"STEPRECORD_TRUSTED_PROXIES": "192.0.2.1"})
+        try:
+            answer = login(url, read, **{"X-Forwarded-Proto": "https"})
+        finally:
+            stop(proc)
+    finally:
+        drop_database(server_dsn, name)
+    assert answer.status_code == 303
+    flags = {part.strip().lower() for part in answer.headers["set-cookie"].split(";")[1:]}
+    assert "secure" not in flags
 
 
 # --- the indexes behind the list -------------------------------------------------------

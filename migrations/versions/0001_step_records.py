@@ -22,7 +22,9 @@ Why each statement is here:
    it; the identity columns never change. It raises `check_violation` naming
    `tr_workflow_step_record_transition`, so callers handle it like any named constraint.
 
-Downgrade drops everything in reverse order; nothing else depends on these objects.
+Downgrade drops everything in reverse order; nothing else depends on these objects. It
+refuses, unless forced, while any instance exists, saying how many instances and records
+would be deleted (`migrations/guard.py`).
 
 Revision ID: 0001
 Revises:
@@ -31,10 +33,18 @@ Create Date: 2026-12-02
 
 from alembic import op
 
+from migrations.guard import found, refuse_losing
+
 revision = "0001"
 down_revision = None
 branch_labels = None
 depends_on = None
+
+LOST = """
+SELECT count(*) || ' instances with '
+       || (SELECT count(*) FROM workflow_step_record) || ' step records would be deleted'
+FROM process_instance HAVING count(*) > 0
+"""
 
 NAME = "'^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$'"
 
@@ -160,6 +170,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    refuse_losing("0001", found(LOST))
     op.execute("DROP TRIGGER tr_workflow_step_record_transition ON workflow_step_record")
     op.execute("DROP FUNCTION workflow_step_record_guard_transition()")
     op.execute("DROP TABLE workflow_step_record")

@@ -10,7 +10,8 @@ Why each statement is here:
    the service, so a token check costs no write per request. Revoking deletes the row.
 
 Downgrade drops the table, which ends token checks: the service then accepts anonymous
-requests only on a loopback address, as before the table existed.
+requests only on a loopback address, as before the table existed. It refuses, unless
+forced, while any token exists, naming them (`migrations/guard.py`).
 
 Revision ID: 0002
 Revises: 0001
@@ -19,10 +20,18 @@ Create Date: 2026-12-02
 
 from alembic import op
 
+from migrations.guard import found, refuse_losing
+
 revision = "0002"
 down_revision = "0001"
 branch_labels = None
 depends_on = None
+
+LOST = """
+SELECT 'the tokens ' || string_agg(name, ', ' ORDER BY name) || ' would be deleted, and with'
+       || ' no token left anonymous requests on a loopback address would be accepted'
+FROM api_token
+"""
 
 
 def upgrade() -> None:
@@ -46,4 +55,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    refuse_losing("0002", found(LOST))
     op.execute("DROP TABLE api_token")

@@ -39,6 +39,8 @@ Why each statement is here:
    the history shows (a replay writes nothing at all) leaves the history untouched.
 
 Downgrade drops all of it in reverse order; the leases and the history are lost with it.
+It refuses, unless forced, while any attempt is recorded, saying how many would be lost
+(`migrations/guard.py`).
 
 Revision ID: 0003
 Revises: 0002
@@ -47,10 +49,19 @@ Create Date: 2026-12-03
 
 from alembic import op
 
+from migrations.guard import found, refuse_losing
+
 revision = "0003"
 down_revision = "0002"
 branch_labels = None
 depends_on = None
+
+LOST = """
+SELECT count(*) || ' attempts of history (workflow_step_attempt), and the leases of '
+       || (SELECT count(*) FROM workflow_step_record WHERE lease_expires_at IS NOT NULL)
+       || ' running steps, would be dropped'
+FROM workflow_step_attempt HAVING count(*) > 0
+"""
 
 NAME = "'^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$'"
 LEASED = "status = 'running' AND lease_expires_at IS NOT NULL"
@@ -241,6 +252,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    refuse_losing("0003", found(LOST))
     op.execute("DROP TRIGGER tr_workflow_step_record_history_update ON workflow_step_record")
     op.execute("DROP TRIGGER tr_workflow_step_record_history_insert ON workflow_step_record")
     op.execute("DROP FUNCTION workflow_step_record_history_update()")

@@ -15,7 +15,9 @@ Why each statement is here:
    comes back (the service treats a missing row as `tokens_required`).
 
 Downgrade drops the trigger, its function and the table, in that order: the service then
-treats "no token" as anonymous on loopback again, as before this revision.
+treats "no token" as anonymous on loopback again, as before this revision. It refuses,
+unless forced, while `tokens_required` is true: that would reopen anonymous access at once
+(no token left) or when the last token is revoked (`migrations/guard.py`).
 
 Revision ID: 0004
 Revises: 0003
@@ -24,10 +26,22 @@ Create Date: 2026-12-03
 
 from alembic import op
 
+from migrations.guard import found, refuse_losing
+
 revision = "0004"
 down_revision = "0003"
 branch_labels = None
 depends_on = None
+
+LOST = """
+SELECT CASE WHEN EXISTS (SELECT FROM api_token)
+            THEN 'access_policy would no longer keep access closed: revoking the last token'
+                 || ' would then accept anonymous requests on a loopback address'
+            ELSE 'no token exists and access_policy refuses every request: anonymous'
+                 || ' requests on a loopback address would be accepted at once'
+       END
+FROM access_policy WHERE tokens_required
+"""
 
 
 def upgrade() -> None:
@@ -63,6 +77,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    refuse_losing("0004", found(LOST))
     op.execute("DROP TRIGGER tr_api_token_requires_tokens ON api_token")
     op.execute("DROP FUNCTION api_token_require_tokens()")
     op.execute("DROP TABLE access_policy")

@@ -14,7 +14,8 @@ Why each statement is here:
 
 The prefix lists read the index `ix_process_instance_instance_key_prefix` (revision 0006);
 no index is added. Downgrade drops the column: prefixed tokens would then reach everything,
-so revoke them (`steprecord token revoke NAME`) before downgrading.
+so the downgrade refuses, unless forced, while any exists, naming them: revoke them
+(`steprecord token revoke NAME`) first (`migrations/guard.py`).
 
 Revision ID: 0015
 Revises: 0014
@@ -23,10 +24,18 @@ Create Date: 2026-12-04
 
 from alembic import op
 
+from migrations.guard import found, refuse_losing
+
 revision = "0015"
 down_revision = "0014"
 branch_labels = None
 depends_on = None
+
+LOST = """
+SELECT 'the tokens ' || string_agg(name || ' (prefix ' || key_prefix || ')', ', ' ORDER BY name)
+       || ' would reach every instance; revoke them first (steprecord token revoke NAME)'
+FROM api_token WHERE key_prefix IS NOT NULL
+"""
 
 
 def upgrade() -> None:
@@ -39,4 +48,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    refuse_losing("0015", found(LOST))
     op.execute("ALTER TABLE api_token DROP COLUMN key_prefix")

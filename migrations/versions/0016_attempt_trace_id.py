@@ -26,7 +26,8 @@ Why each statement is here:
    a trace id never carries over to a later call or statement of the same transaction.
 
 Downgrade restores revision 0014's functions (frozen in `0016_attempt_trace_id.down.sql`)
-and drops the column with its CHECK: the trace ids kept meanwhile are lost.
+and drops the column with its CHECK: the trace ids kept meanwhile are lost, so it refuses,
+unless forced, while any attempt has one, saying how many (`migrations/guard.py`).
 
 Revision ID: 0016
 Revises: 0015
@@ -37,10 +38,17 @@ from pathlib import Path
 
 from alembic import op
 
+from migrations.guard import found, refuse_losing
+
 revision = "0016"
 down_revision = "0015"
 branch_labels = None
 depends_on = None
+
+LOST = """
+SELECT count(*) || ' attempts'' trace ids (workflow_step_attempt.trace_id) would be dropped'
+FROM workflow_step_attempt WHERE trace_id IS NOT NULL HAVING count(*) > 0
+"""
 
 # The frozen text this revision installs, and the text its downgrade restores, beside this
 # file and read by it alone.
@@ -53,4 +61,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    refuse_losing("0016", found(LOST))
     op.execute(DOWN.read_text())
