@@ -119,7 +119,7 @@ def render(name: str, files: dict[str, str] | None = None) -> tuple[str, str]:
     missing = sorted(old.keys() - new.keys())
     if missing:
         raise ValueError(f"{', '.join(missing)} left app/sql/: write this revision by hand")
-    changed = [file for file in new if new[file] != old.get(file)]
+    changed = [file for file in sorted(new) if new[file] != old.get(file)]
     if not changed:
         raise ValueError("app/sql/ is as the revisions before froze it: nothing to freeze")
     previous = f"{number - 1:04d}"
