@@ -30,8 +30,8 @@ CREATE OR REPLACE FUNCTION steprecord_apply_event(
     i integer, outcome text, recorded boolean,
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
     output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
-    error_code text, error_message text, created_at timestamptz, updated_at timestamptz,
-    lease_expires_at timestamptz
+    lease_expires_at timestamptz, error_code text, error_message text,
+    created_at timestamptz, updated_at timestamptz
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
@@ -94,16 +94,16 @@ BEGIN
         SELECT p_i, 'applied'::text, false,
                upd.id, upd.step_slug, upd.ordinal, upd.status, upd.attempt_count,
                upd.output::text AS output, upd.external_output_url, upd.started_at,
-               upd.completed_at, upd.error_code, upd.error_message, upd.created_at,
-               upd.updated_at, upd.lease_expires_at
+               upd.completed_at, upd.lease_expires_at, upd.error_code,
+               upd.error_message, upd.created_at, upd.updated_at
         FROM upd;
     ELSE
         -- 2. Judged without a write: the record as it stands.
         RETURN QUERY SELECT p_i, judged.outcome, false,
             judged.id, judged.step_slug, judged.ordinal, judged.status, judged.attempt_count,
             judged.output, judged.external_output_url, judged.started_at,
-            judged.completed_at, judged.error_code, judged.error_message, judged.created_at,
-            judged.updated_at, judged.lease_expires_at;
+            judged.completed_at, judged.lease_expires_at, judged.error_code,
+            judged.error_message, judged.created_at, judged.updated_at;
     END IF;
 END
 $fn$;

@@ -54,8 +54,8 @@ CREATE OR REPLACE FUNCTION steprecord_apply_events(
     i integer, outcome text, recorded boolean,
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
     output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
-    error_code text, error_message text, created_at timestamptz, updated_at timestamptz,
-    lease_expires_at timestamptz
+    lease_expires_at timestamptz, error_code text, error_message text,
+    created_at timestamptz, updated_at timestamptz
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
@@ -291,23 +291,23 @@ BEGIN
     SELECT e.i, 'created' AS outcome, false AS recorded,
            ins.id, ins.step_slug, ins.ordinal, ins.status, ins.attempt_count,
            ins.output::text AS output, ins.external_output_url, ins.started_at,
-           ins.completed_at, ins.error_code, ins.error_message, ins.created_at,
-           ins.updated_at, ins.lease_expires_at
+           ins.completed_at, ins.lease_expires_at, ins.error_code,
+           ins.error_message, ins.created_at, ins.updated_at
     FROM ins JOIN inst ON inst.id = ins.instance_id
     JOIN e ON e.instance_key = inst.instance_key AND e.step_slug = ins.step_slug
     UNION ALL
     SELECT upd.i, 'applied', false,
            upd.id, upd.step_slug, upd.ordinal, upd.status, upd.attempt_count,
            upd.output::text AS output, upd.external_output_url, upd.started_at,
-           upd.completed_at, upd.error_code, upd.error_message, upd.created_at,
-           upd.updated_at, upd.lease_expires_at
+           upd.completed_at, upd.lease_expires_at, upd.error_code,
+           upd.error_message, upd.created_at, upd.updated_at
     FROM upd
     UNION ALL
     SELECT d.i, d.outcome, EXISTS (SELECT 1 FROM late_recorded r WHERE r.i = d.i),
            cur.id, cur.step_slug, cur.ordinal, cur.status, cur.attempt_count,
            cur.output::text AS output, cur.external_output_url, cur.started_at,
-           cur.completed_at, cur.error_code, cur.error_message, cur.created_at,
-           cur.updated_at, cur.lease_expires_at
+           cur.completed_at, cur.lease_expires_at, cur.error_code,
+           cur.error_message, cur.created_at, cur.updated_at
     FROM dec d JOIN cur ON cur.i = d.i
     WHERE d.outcome <> 'applied'
     UNION ALL

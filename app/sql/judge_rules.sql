@@ -69,8 +69,8 @@ AS $fn$
                 THEN COALESCE(p_completed_at, GREATEST(p_now, p_started_at)) END
 $fn$;
 
--- When a start's lease ends: p_lease_seconds from the clock. Every other event sends none,
--- and so clears the lease (NULL).
+-- When a lease ends: p_lease_seconds from the clock (a start's, or a heartbeat's that
+-- extends it). Every other event sends none, and so clears the lease (NULL).
 CREATE OR REPLACE FUNCTION judge_lease_expires_at(
     p_now timestamptz, p_lease_seconds integer
 ) RETURNS timestamptz

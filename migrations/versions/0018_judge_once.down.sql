@@ -5,6 +5,7 @@
 -- Functions this revision created or declared otherwise:
 DROP FUNCTION steprecord_apply_event(p_i int, p_instance_key text, p_step_slug text, p_kind text, p_attempt bigint, p_started_at timestamptz, p_completed_at timestamptz, p_output text, p_external_output_url text, p_error_code text, p_error_message text, p_ordinal bigint, p_lease_seconds int, p_trace_id text);
 DROP FUNCTION steprecord_apply_events(p_i int[], p_instance_key text[], p_step_slug text[], p_kind text[], p_attempt bigint[], p_started_at timestamptz[], p_completed_at timestamptz[], p_output text[], p_external_output_url text[], p_error_code text[], p_error_message text[], p_ordinal bigint[], p_lease_seconds int[], p_trace_id text);
+DROP FUNCTION steprecord_heartbeat(p_i int[], p_instance_key text[], p_step_slug text[], p_attempt bigint[], p_lease_seconds int[]);
 DROP FUNCTION judge_status_rank(p_status text);
 DROP FUNCTION judge_event_status(p_kind text);
 DROP FUNCTION judge_event_attempt(p_kind text, p_attempt bigint, r_attempt_count integer, r_status text);
@@ -734,6 +735,91 @@ BEGIN
     SELECT a.i, 'ordinal_taken', false,
            NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
     FROM assigned a WHERE a.ordinal > 2147483647;
+END
+$fn$;
+
+
+-- ===== app/sql/heartbeat.sql as of revision 0017 =====
+-- steprecord_heartbeat: extend the lease of the running attempt each heartbeat names.
+--
+-- Arguments, one array per field (element n is heartbeat n, all of distinct steps):
+--   $1 i (the index in the caller's list), $2 instance_key, $3 step_slug, $4 attempt,
+--   $5 lease_seconds.
+-- Answer: one row per heartbeat, its index, the outcome and the record (NULLs when there is
+-- none), as steprecord_apply_events answers:
+--   applied        the lease now ends at the database clock + lease_seconds;
+--   stale_attempt  the heartbeat's attempt is older than the record's: a zombie worker
+--                  learns that it was superseded;
+--   not_started    no such record, or it is pending;
+--   not_running    that attempt finished, or the heartbeat names an attempt that has not
+--                  started.
+-- A heartbeat never changes status, times or attempt_count, so it cannot move a record
+-- backwards or reopen it; it is decided under the record's row lock, so it cannot extend
+-- a lease that a concurrent terminal event or the sweeper has just closed.
+CREATE OR REPLACE FUNCTION steprecord_heartbeat(int[], text[], text[], bigint[], int[])
+RETURNS TABLE (
+    i integer, outcome text,
+    id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
+    output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
+    error_code text, error_message text, created_at timestamptz, updated_at timestamptz,
+    lease_expires_at timestamptz
+)
+LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
+AS $fn$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH e AS MATERIALIZED (
+        SELECT x.*, clock_timestamp() AS now
+        FROM unnest($1::int[], $2::text[], $3::text[], $4::bigint[], $5::int[])
+            AS x(i, instance_key, step_slug, attempt, lease_seconds)
+    ),
+    -- The records, locked in id order (no deadlock between two calls).
+    cur AS (
+        SELECT e.i, r.* FROM e
+        JOIN process_instance p ON p.instance_key = e.instance_key
+        JOIN workflow_step_record r ON r.instance_id = p.id AND r.step_slug = e.step_slug
+        ORDER BY r.id
+        FOR UPDATE OF r
+    ),
+    dec AS (
+        SELECT cur.i, cur.id,
+            CASE WHEN e.attempt < cur.attempt_count THEN 'stale_attempt'
+                 WHEN cur.status = 'pending' THEN 'not_started'
+                 WHEN e.attempt > cur.attempt_count OR cur.status <> 'running' THEN 'not_running'
+                 ELSE 'applied' END AS outcome
+        FROM cur JOIN e ON e.i = cur.i
+    ),
+    -- Only the lease and updated_at change (the history trigger copies the running
+    -- attempt's new lease into its history entry).
+    upd AS (
+        UPDATE workflow_step_record r SET
+            lease_expires_at = e.now + e.lease_seconds * interval '1 second',
+            updated_at = e.now
+        FROM dec d JOIN e ON e.i = d.i
+        WHERE r.id = d.id AND d.outcome = 'applied'
+        RETURNING d.i, r.*
+    )
+    SELECT upd.i, 'applied' AS outcome,
+           upd.id, upd.step_slug, upd.ordinal, upd.status, upd.attempt_count,
+           upd.output::text AS output, upd.external_output_url, upd.started_at,
+           upd.completed_at, upd.error_code, upd.error_message, upd.created_at,
+           upd.updated_at, upd.lease_expires_at
+    FROM upd
+    UNION ALL
+    SELECT d.i, d.outcome,
+           cur.id, cur.step_slug, cur.ordinal, cur.status, cur.attempt_count,
+           cur.output::text AS output, cur.external_output_url, cur.started_at,
+           cur.completed_at, cur.error_code, cur.error_message, cur.created_at,
+           cur.updated_at, cur.lease_expires_at
+    FROM dec d JOIN cur ON cur.i = d.i
+    WHERE d.outcome <> 'applied'
+    UNION ALL
+    SELECT e.i, 'not_started',
+           NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+    FROM e
+    WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.i = e.i);
 END
 $fn$;
 

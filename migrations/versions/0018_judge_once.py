@@ -18,10 +18,16 @@ Why each statement is here (frozen in `0018_judge_once.up.sql`):
    statement calls the rules; the one-event function judges the record with the same rule,
    answers a write-free outcome itself, writes an applied event with the rules' values, and
    calls `steprecord_apply_events` for a new record or a late report.
-3. `record_guard.sql`: the transition guard ranks statuses with the judge's rule.
+3. `DROP FUNCTION` of `steprecord_heartbeat`, then its new text: named arguments too, and
+   the lease from the judge's rule.
+4. The record's columns in the answer of the three functions follow the record's one
+   definition (`app/record.py`) and so the API's order: `lease_expires_at` after
+   `completed_at` (a result's columns also change only by dropping and creating). The
+   service reads them by name.
+5. `record_guard.sql`: the transition guard ranks statuses with the judge's rule.
 
-Measured in one sitting, pgbench at 4 clients on PostgreSQL 15 (`tests/bench/limit_events.sql`,
-8 alternating rounds of 3 s): see tests/bench/README.md for the figures.
+The one-event function's cost, against revision 0017's, is measured in tests/bench/README.md
+("The levers tried").
 
 Downgrade drops the rules and restores revision 0017's functions (frozen in
 `0018_judge_once.down.sql`).

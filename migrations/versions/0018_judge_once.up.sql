@@ -6,6 +6,7 @@
 -- Functions whose arguments or result change, or that go away:
 DROP FUNCTION steprecord_apply_event(int, text, text, text, bigint, timestamptz, timestamptz, text, text, text, text, bigint, int, p_trace_id text);
 DROP FUNCTION steprecord_apply_events(int[], text[], text[], text[], bigint[], timestamptz[], timestamptz[], text[], text[], text[], text[], bigint[], int[], p_trace_id text);
+DROP FUNCTION steprecord_heartbeat(int[], text[], text[], bigint[], int[]);
 
 -- ===== app/sql/apply_event.sql =====
 -- steprecord_apply_event: the judge of one event (every POST .../declare, /start,
@@ -40,8 +41,8 @@ CREATE OR REPLACE FUNCTION steprecord_apply_event(
     i integer, outcome text, recorded boolean,
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
     output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
-    error_code text, error_message text, created_at timestamptz, updated_at timestamptz,
-    lease_expires_at timestamptz
+    lease_expires_at timestamptz, error_code text, error_message text,
+    created_at timestamptz, updated_at timestamptz
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
@@ -104,16 +105,16 @@ BEGIN
         SELECT p_i, 'applied'::text, false,
                upd.id, upd.step_slug, upd.ordinal, upd.status, upd.attempt_count,
                upd.output::text AS output, upd.external_output_url, upd.started_at,
-               upd.completed_at, upd.error_code, upd.error_message, upd.created_at,
-               upd.updated_at, upd.lease_expires_at
+               upd.completed_at, upd.lease_expires_at, upd.error_code,
+               upd.error_message, upd.created_at, upd.updated_at
         FROM upd;
     ELSE
         -- 2. Judged without a write: the record as it stands.
         RETURN QUERY SELECT p_i, judged.outcome, false,
             judged.id, judged.step_slug, judged.ordinal, judged.status, judged.attempt_count,
             judged.output, judged.external_output_url, judged.started_at,
-            judged.completed_at, judged.error_code, judged.error_message, judged.created_at,
-            judged.updated_at, judged.lease_expires_at;
+            judged.completed_at, judged.lease_expires_at, judged.error_code,
+            judged.error_message, judged.created_at, judged.updated_at;
     END IF;
 END
 $fn$;
@@ -175,8 +176,8 @@ CREATE OR REPLACE FUNCTION steprecord_apply_events(
     i integer, outcome text, recorded boolean,
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
     output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
-    error_code text, error_message text, created_at timestamptz, updated_at timestamptz,
-    lease_expires_at timestamptz
+    lease_expires_at timestamptz, error_code text, error_message text,
+    created_at timestamptz, updated_at timestamptz
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
@@ -412,23 +413,23 @@ BEGIN
     SELECT e.i, 'created' AS outcome, false AS recorded,
            ins.id, ins.step_slug, ins.ordinal, ins.status, ins.attempt_count,
            ins.output::text AS output, ins.external_output_url, ins.started_at,
-           ins.completed_at, ins.error_code, ins.error_message, ins.created_at,
-           ins.updated_at, ins.lease_expires_at
+           ins.completed_at, ins.lease_expires_at, ins.error_code,
+           ins.error_message, ins.created_at, ins.updated_at
     FROM ins JOIN inst ON inst.id = ins.instance_id
     JOIN e ON e.instance_key = inst.instance_key AND e.step_slug = ins.step_slug
     UNION ALL
     SELECT upd.i, 'applied', false,
            upd.id, upd.step_slug, upd.ordinal, upd.status, upd.attempt_count,
            upd.output::text AS output, upd.external_output_url, upd.started_at,
-           upd.completed_at, upd.error_code, upd.error_message, upd.created_at,
-           upd.updated_at, upd.lease_expires_at
+           upd.completed_at, upd.lease_expires_at, upd.error_code,
+           upd.error_message, upd.created_at, upd.updated_at
     FROM upd
     UNION ALL
     SELECT d.i, d.outcome, EXISTS (SELECT 1 FROM late_recorded r WHERE r.i = d.i),
            cur.id, cur.step_slug, cur.ordinal, cur.status, cur.attempt_count,
            cur.output::text AS output, cur.external_output_url, cur.started_at,
-           cur.completed_at, cur.error_code, cur.error_message, cur.created_at,
-           cur.updated_at, cur.lease_expires_at
+           cur.completed_at, cur.lease_expires_at, cur.error_code,
+           cur.error_message, cur.created_at, cur.updated_at
     FROM dec d JOIN cur ON cur.i = d.i
     WHERE d.outcome <> 'applied'
     UNION ALL
@@ -440,6 +441,93 @@ BEGIN
     SELECT a.i, 'ordinal_taken', false,
            NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
     FROM assigned a WHERE a.ordinal > 2147483647;
+END
+$fn$;
+
+-- ===== app/sql/heartbeat.sql =====
+-- steprecord_heartbeat: extend the lease of the running attempt each heartbeat names.
+--
+-- Arguments, one array per field (element n is heartbeat n, all of distinct steps):
+--   p_i (the index in the caller's list), p_instance_key, p_step_slug, p_attempt,
+--   p_lease_seconds.
+-- Answer: one row per heartbeat, its index, the outcome and the record (NULLs when there is
+-- none), as steprecord_apply_events answers:
+--   applied        the lease now ends at the database clock + lease_seconds;
+--   stale_attempt  the heartbeat's attempt is older than the record's: a zombie worker
+--                  learns that it was superseded;
+--   not_started    no such record, or it is pending;
+--   not_running    that attempt finished, or the heartbeat names an attempt that has not
+--                  started.
+-- A heartbeat never changes status, times or attempt_count, so it cannot move a record
+-- backwards or reopen it; it is decided under the record's row lock, so it cannot extend
+-- a lease that a concurrent terminal event or the sweeper has just closed.
+CREATE OR REPLACE FUNCTION steprecord_heartbeat(
+    p_i int[], p_instance_key text[], p_step_slug text[], p_attempt bigint[],
+    p_lease_seconds int[]
+)
+RETURNS TABLE (
+    i integer, outcome text,
+    id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
+    output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
+    lease_expires_at timestamptz, error_code text, error_message text,
+    created_at timestamptz, updated_at timestamptz
+)
+LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
+AS $fn$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH e AS MATERIALIZED (
+        SELECT x.*, clock_timestamp() AS now
+        FROM unnest(p_i, p_instance_key, p_step_slug, p_attempt, p_lease_seconds)
+            AS x(i, instance_key, step_slug, attempt, lease_seconds)
+    ),
+    -- The records, locked in id order (no deadlock between two calls).
+    cur AS (
+        SELECT e.i, r.* FROM e
+        JOIN process_instance p ON p.instance_key = e.instance_key
+        JOIN workflow_step_record r ON r.instance_id = p.id AND r.step_slug = e.step_slug
+        ORDER BY r.id
+        FOR UPDATE OF r
+    ),
+    dec AS (
+        SELECT cur.i, cur.id,
+            CASE WHEN e.attempt < cur.attempt_count THEN 'stale_attempt'
+                 WHEN cur.status = 'pending' THEN 'not_started'
+                 WHEN e.attempt > cur.attempt_count OR cur.status <> 'running' THEN 'not_running'
+                 ELSE 'applied' END AS outcome
+        FROM cur JOIN e ON e.i = cur.i
+    ),
+    -- Only the lease and updated_at change (the history trigger copies the running
+    -- attempt's new lease into its history entry).
+    upd AS (
+        UPDATE workflow_step_record r SET
+            lease_expires_at = judge_lease_expires_at(e.now, e.lease_seconds),
+            updated_at = e.now
+        FROM dec d JOIN e ON e.i = d.i
+        WHERE r.id = d.id AND d.outcome = 'applied'
+        RETURNING d.i, r.*
+    )
+    SELECT upd.i, 'applied' AS outcome,
+           upd.id, upd.step_slug, upd.ordinal, upd.status, upd.attempt_count,
+           upd.output::text AS output, upd.external_output_url, upd.started_at,
+           upd.completed_at, upd.lease_expires_at, upd.error_code,
+           upd.error_message, upd.created_at, upd.updated_at
+    FROM upd
+    UNION ALL
+    SELECT d.i, d.outcome,
+           cur.id, cur.step_slug, cur.ordinal, cur.status, cur.attempt_count,
+           cur.output::text AS output, cur.external_output_url, cur.started_at,
+           cur.completed_at, cur.lease_expires_at, cur.error_code,
+           cur.error_message, cur.created_at, cur.updated_at
+    FROM dec d JOIN cur ON cur.i = d.i
+    WHERE d.outcome <> 'applied'
+    UNION ALL
+    SELECT e.i, 'not_started',
+           NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+    FROM e
+    WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.i = e.i);
 END
 $fn$;
 
@@ -515,8 +603,8 @@ AS $fn$
                 THEN COALESCE(p_completed_at, GREATEST(p_now, p_started_at)) END
 $fn$;
 
--- When a start's lease ends: p_lease_seconds from the clock. Every other event sends none,
--- and so clears the lease (NULL).
+-- When a lease ends: p_lease_seconds from the clock (a start's, or a heartbeat's that
+-- extends it). Every other event sends none, and so clears the lease (NULL).
 CREATE OR REPLACE FUNCTION judge_lease_expires_at(
     p_now timestamptz, p_lease_seconds integer
 ) RETURNS timestamptz
