@@ -14,7 +14,7 @@
 --
 -- Answer: one row per event, its index `i`, the `outcome`, whether a late report was
 -- `recorded` in the history (below), and the record after the event (or as it stands, when
--- the event was refused; NULLs when there is none):
+-- the event was refused; NULLs when there is none), its columns as app/record.py lists them:
 --   created        the event made the record;
 --   applied        the event was newer than the record and is now the record;
 --   replay         the same position and content as recorded, or a late start/declare of
