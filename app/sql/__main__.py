@@ -15,7 +15,11 @@ def main() -> None:
     command = commands.add_parser("freeze", help="freeze app/sql/ into a new revision's files")
     command.add_argument("revision", help="the revision's file name, e.g. 0018_judge_once")
     args = parser.parse_args()
-    for path in freeze(args.revision):
+    try:
+        paths = freeze(args.revision)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for path in paths:
         print(path)
 
 
