@@ -1,28 +1,24 @@
 """Response shapes, for the OpenAPI document (handlers render JSON directly)."""
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, create_model
 
+from app import record as record_shape
 
-class Record(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    id: int
-    instance_key: str
-    step_slug: str
-    ordinal: int
-    status: str
-    attempt_count: int
-    output: JsonValue = None
-    external_output_url: str | None
-    started_at: str | None
-    completed_at: str | None
-    lease_expires_at: str | None
-    error_code: str | None
-    error_message: str | None = None
-    created_at: str
-    updated_at: str
+if TYPE_CHECKING:
+    Record = BaseModel
+else:
+    # A record, from its one definition (app/record.py): the fields a summary leaves out may
+    # be absent, every other one is always there.
+    Record = create_model(
+        "Record",
+        __config__=ConfigDict(extra="forbid"),
+        **{
+            field.key: (field.python, ... if field.summary else None)
+            for field in record_shape.FIELDS
+        },
+    )
 
 
 class RecordPage(BaseModel):

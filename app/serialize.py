@@ -8,6 +8,8 @@ from typing import Any
 
 import orjson
 
+from app import record as record_shape
+
 # An escaped NUL (`\u0000`) preceded by an even number of backslashes, i.e. a real escape.
 _ESCAPED_NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 
@@ -155,23 +157,8 @@ def parse_timestamp(value: Any) -> Any:
         raise ValueError(TIMESTAMP_RULE) from None
 
 
-RECORD_KEYS = (
-    "id",
-    "instance_key",
-    "step_slug",
-    "ordinal",
-    "status",
-    "attempt_count",
-    "output",
-    "external_output_url",
-    "started_at",
-    "completed_at",
-    "lease_expires_at",
-    "error_code",
-    "error_message",
-    "created_at",
-    "updated_at",
-)
+# The record's keys, in the API's order (app/record.py).
+RECORD_KEYS = record_shape.KEYS
 ATTEMPT_KEYS = (
     "attempt",
     "status",
@@ -194,7 +181,8 @@ def record_json(
     """A record as the API shows it, with the stored output embedded without re-parsing."""
     out = {key: record[key] for key in keys}
     if summary:
-        del out["output"], out["error_message"]
+        for key in record_shape.NOT_IN_SUMMARY:
+            del out[key]
     elif out["output"] is not None:
         out["output"] = orjson.Fragment(out["output"])
     return out
@@ -205,7 +193,8 @@ def page_json(records: list[dict[str, Any]], summary: bool = False) -> list[dict
     shown as the API shows them: changed in place, without a copy of each."""
     for record in records:
         if summary:
-            del record["output"], record["error_message"]
+            for key in record_shape.NOT_IN_SUMMARY:
+                del record[key]
         elif record["output"] is not None:
             record["output"] = orjson.Fragment(record["output"])
     return records

@@ -8,8 +8,12 @@ import re
 from pathlib import Path
 
 import psycopg
+from alembic import command
+from alembic.script import ScriptDirectory
 
 from app.cli import migrate
+from app.main import alembic_config
+from app.sql import COMMAND, frozen_as_of, render, revision_number, source
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = sorted((ROOT / "app" / "sql").glob("*.sql"))
@@ -28,8 +32,8 @@ WHERE n.nspname = 'public' AND NOT t.tgisinternal
 """
 
 
-def catalog(conn: psycopg.Connection[tuple[object, ...]]) -> dict[str, str]:
-    return {str(name): str(text) for name, text in conn.execute(CATALOG).fetchall()}
+def catalog(conn: psycopg.Connection[tuple[object, ...]], query: str = CATALOG) -> dict[str, str]:
+    return {str(name): str(text) for name, text in conn.execute(query).fetchall()}
 
 
 def test_the_database_at_head_holds_exactly_the_functions_and_triggers_of_app_sql(
@@ -77,3 +81,76 @@ def test_no_migration_imports_another_or_reads_another_s_text() -> None:
     for frozen in VERSIONS.glob("*.sql"):
         owner = re.sub(r"\.(up|down)\.sql$", "", frozen.name)
         assert owner in stems, f"{frozen.name} belongs to no migration"
+
+
+def test_the_frozen_files_taken_together_are_app_sql() -> None:
+    """Each file's last frozen copy (the revisions' `.up.sql` sections) is the file as it is:
+    a change to `app/sql/` that no revision froze fails here, before any database."""
+    assert frozen_as_of(9999) == source()
+
+
+def test_each_revision_made_by_the_freeze_command_holds_what_the_command_makes() -> None:
+    """The committed `.up.sql` and `.down.sql` of every revision the command made are byte for
+    byte what it makes from the source as of that revision (for the head, `app/sql/` itself,
+    by the test above)."""
+    made = [
+        path.name.removesuffix(".up.sql")
+        for path in sorted(VERSIONS.glob("*.up.sql"))
+        if f"`{COMMAND} {path.name.removesuffix('.up.sql')}`" in path.read_text()
+    ]
+    assert "0018_judge_once" in made
+    for name in made:
+        up, down = render(name, frozen_as_of(revision_number(name)))
+        assert (VERSIONS / f"{name}.up.sql").read_text() == up, name
+        assert (VERSIONS / f"{name}.down.sql").read_text() == down, name
+
+
+# What a migration may change and its downgrade must restore: every function, trigger,
+# constraint and index of the public schema, and every table's columns (alembic's own
+# `alembic_version` aside).
+SCHEMA = (
+    CATALOG
+    + """
+UNION ALL
+SELECT 'constraint ' || c.conname || ' on ' || t.relname, pg_get_constraintdef(c.oid)
+FROM pg_constraint c JOIN pg_class t ON t.oid = c.conrelid
+JOIN pg_namespace n ON n.oid = t.relnamespace
+WHERE n.nspname = 'public'
+UNION ALL
+SELECT 'index ' || i.relname, pg_get_indexdef(i.oid)
+FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid
+JOIN pg_namespace n ON n.oid = i.relnamespace
+WHERE n.nspname = 'public'
+UNION ALL
+SELECT 'column ' || c.table_name || '.' || c.column_name,
+       concat_ws(' ', c.data_type, c.is_nullable, c.column_default)
+FROM information_schema.columns c
+WHERE c.table_schema = 'public'
+"""
+)
+
+
+def test_every_revision_s_downgrade_restores_the_schema_its_upgrade_found(
+    scratch_database: str,
+) -> None:
+    """Revision by revision from an empty database: upgrade, downgrade, and the functions,
+    triggers, constraints, indexes and columns are exactly what they were; then upgrade."""
+    config = alembic_config()
+    config.attributes["database_url"] = scratch_database
+    revisions = [script.revision for script in ScriptDirectory.from_config(config).walk_revisions()]
+    revisions.reverse()
+    assert len(revisions) >= 18
+    for previous, revision in zip(["base", *revisions], revisions, strict=False):
+        with psycopg.connect(scratch_database) as conn:
+            before = catalog(conn, SCHEMA)
+        command.upgrade(config, revision)
+        command.downgrade(config, previous)
+        with psycopg.connect(scratch_database) as conn:
+            after = catalog(conn, SCHEMA)
+        changed = sorted(
+            name
+            for name in before.keys() | after.keys()
+            if before.get(name) != after.get(name) and "alembic_version" not in name
+        )
+        assert changed == [], f"downgrade of {revision} to {previous} left {changed}"
+        command.upgrade(config, revision)

@@ -5,13 +5,11 @@ from typing import Any
 import psycopg
 
 from app.domain import ConstraintViolation
+from app.record import columns
 
-# The record's columns as the API shows them (the output as JSON text), from an alias `{r}`.
-RECORD = (
-    "{r}.id, {r}.step_slug, {r}.ordinal, {r}.status, {r}.attempt_count,"
-    " {r}.output::text AS output, {r}.external_output_url, {r}.started_at, {r}.completed_at,"
-    " {r}.error_code, {r}.error_message, {r}.created_at, {r}.updated_at, {r}.lease_expires_at"
-)
+# The record's columns as the API shows them (the output as JSON text), from an alias `{r}`
+# (a format string: `RECORD.format(r="r")`).
+RECORD = columns("{r}")
 
 
 def with_key(row: dict[str, Any], instance_key: str) -> dict[str, Any]:

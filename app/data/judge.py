@@ -35,8 +35,8 @@ APPLY_EVENTS = (
 )
 
 # One event (not a heartbeat) with scalars for arrays (app/sql/apply_event.sql): the same
-# answer, from the half of the general statement the event needs: the record judged and, only
-# when the event applies, updated; or, when there is none, created.
+# answer, by the same rules (app/sql/judge_rules.sql): the record judged and, only when the
+# event applies, updated; a new record or a late report goes through the general statement.
 APPLY_EVENT = (
     "SELECT * FROM steprecord_apply_event($1::int, $2::text, $3::text, $4::text, $5::bigint,"
     " $6::timestamptz, $7::timestamptz, $8::text, $9::text, $10::text, $11::text, $12::bigint,"
@@ -85,8 +85,8 @@ Outcomes = list[Result | Exception]
 async def apply_event(conn: AsyncConn, event: Event, *, trace_id: str | None = None) -> Result:
     """Apply one event; raise what the database refused.
 
-    It goes to `steprecord_apply_event`, which runs only the half of the general statement
-    the event needs (and writes an existing record only when the event applies). An attempt
+    It goes to `steprecord_apply_event`, which judges an existing record itself (and writes
+    it only when the event applies), and calls the general statement for the rest. An attempt
     the event starts keeps `trace_id` (the request's W3C trace id, 32 lowercase hex digits).
     """
     if event.kind == "heartbeat":

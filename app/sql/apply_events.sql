@@ -1,10 +1,10 @@
 -- steprecord_apply_events: the judge of a set of events, in one statement.
 --
 -- Arguments, one array per field, all of the same length (element n is event n):
---   $1 i (the event's index in the caller's list), $2 instance_key, $3 step_slug,
---   $4 kind ('declare' | 'start' | 'complete' | 'fail'), $5 attempt, $6 started_at,
---   $7 completed_at, $8 output (JSON text), $9 external_output_url, $10 error_code,
---   $11 error_message, $12 ordinal, $13 lease_seconds. NULL means "not sent".
+--   p_i (the event's index in the caller's list), p_instance_key, p_step_slug,
+--   p_kind ('declare' | 'start' | 'complete' | 'fail'), p_attempt, p_started_at,
+--   p_completed_at, p_output (JSON text), p_external_output_url, p_error_code,
+--   p_error_message, p_ordinal, p_lease_seconds. NULL means "not sent".
 -- Then one scalar, p_trace_id (default NULL): the W3C trace id (32 lowercase hex digits) of
 -- the request that sent the events, or NULL when it had none. An attempt that an event
 -- starts keeps it (workflow_step_attempt.trace_id; see the first step below).
@@ -14,7 +14,7 @@
 --
 -- Answer: one row per event, its index `i`, the `outcome`, whether a late report was
 -- `recorded` in the history (below), and the record after the event (or as it stands, when
--- the event was refused; NULLs when there is none):
+-- the event was refused; NULLs when there is none), its columns as app/record.py lists them:
 --   created        the event made the record;
 --   applied        the event was newer than the record and is now the record;
 --   replay         the same position and content as recorded, or a late start/declare of
@@ -34,9 +34,9 @@
 -- key taken by a concurrent creator of the same step, a deadlock) aborts the statement:
 -- nothing of it was written.
 --
--- Positions: a record sits at (attempt_count, rank), rank pending 0, running 1, completed
--- or failed 2; an event at (attempt, k), k declare 0, start 1, complete/fail 2. Pairs
--- compare left to right.
+-- The rules (positions, the judgement, the times, the lease, what a report is) are the
+-- functions of judge_rules.sql, which steprecord_apply_event calls as well; this statement
+-- says which records they are applied to and what is written.
 --
 -- plan_cache_mode = force_generic_plan: every access is by key, so the plan does not depend
 -- on the arrays' contents; one generic plan, made once per connection, serves every call
@@ -46,14 +46,16 @@
 -- steprecord.trace_id = '', restored when the call returns: the trace id set below holds
 -- for this call's writes only, never for later statements of the same transaction.
 CREATE OR REPLACE FUNCTION steprecord_apply_events(
-    int[], text[], text[], text[], bigint[], timestamptz[], timestamptz[], text[],
-    text[], text[], text[], bigint[], int[], p_trace_id text DEFAULT NULL
+    p_i int[], p_instance_key text[], p_step_slug text[], p_kind text[], p_attempt bigint[],
+    p_started_at timestamptz[], p_completed_at timestamptz[], p_output text[],
+    p_external_output_url text[], p_error_code text[], p_error_message text[],
+    p_ordinal bigint[], p_lease_seconds int[], p_trace_id text DEFAULT NULL
 ) RETURNS TABLE (
     i integer, outcome text, recorded boolean,
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
     output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
-    error_code text, error_message text, created_at timestamptz, updated_at timestamptz,
-    lease_expires_at timestamptz
+    lease_expires_at timestamptz, error_code text, error_message text,
+    created_at timestamptz, updated_at timestamptz
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
@@ -73,23 +75,21 @@ BEGIN
     RETURN QUERY
     -- e: the events, with what every later step needs of them. One clock reading per call
     -- (clock_timestamp, not now(): a retried call in the same transaction reads anew).
-    -- A start's lease runs from the database clock; every other event clears the lease
-    -- (lease_seconds is NULL). Only a declare, a start, or a complete/fail that brings its
-    -- own started_at may create a record: a record never exists without its start time.
+    -- Only a declare, a start, or a complete/fail that brings its own started_at may create
+    -- a record: a record never exists without its start time.
     WITH e AS MATERIALIZED (
         SELECT x.i, x.instance_key, x.step_slug, x.kind, x.attempt, x.started_at,
                x.completed_at, x.output::jsonb AS output, x.url, x.error_code,
                x.error_message, x.ordinal,
-               clock_timestamp() + x.lease_seconds * interval '1 second' AS lease_expires_at,
+               judge_lease_expires_at(clock_timestamp(), x.lease_seconds)
+                   AS lease_expires_at,
                clock_timestamp() AS now,
-               CASE x.kind WHEN 'declare' THEN 0 WHEN 'start' THEN 1 ELSE 2 END AS k,
-               CASE x.kind WHEN 'declare' THEN 'pending' WHEN 'start' THEN 'running'
-                           WHEN 'complete' THEN 'completed' ELSE 'failed' END AS target,
+               judge_event_status(x.kind) AS target,
                (x.kind IN ('declare', 'start') OR x.started_at IS NOT NULL) AS can_create
         FROM unnest(
-            $1::int[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::timestamptz[],
-            $7::timestamptz[], $8::text[], $9::text[], $10::text[], $11::text[], $12::bigint[],
-            $13::int[]
+            p_i, p_instance_key, p_step_slug, p_kind, p_attempt, p_started_at, p_completed_at,
+            p_output, p_external_output_url, p_error_code, p_error_message, p_ordinal,
+            p_lease_seconds
         ) AS x(i, instance_key, step_slug, kind, attempt, started_at, completed_at, output, url,
                error_code, error_message, ordinal, lease_seconds)
     ),
@@ -108,69 +108,35 @@ BEGIN
         ORDER BY r.id
         FOR UPDATE OF r
     ),
-    -- dec: the judgement of each event whose record exists, with the values an update
-    -- writes (so `upd` reads `dec` alone, one lookup per record, whatever the call's size).
-    --   a_e: the event's attempt. A declare takes the record's. A start without one takes
-    --        the next (attempt_count + 1; a pending record's own attempt_count); a
-    --        complete/fail without one takes the record's current attempt.
-    --   started_at: the event's own; else, for a start, the clock; else, for a terminal
-    --        event of the running attempt, the running record's start.
-    --   outcome:
-    --     newer  -> applied; but an attempt past 2147483647 is a conflict (no attempt left)
-    --               and a complete/fail with no start known is not_started;
-    --     same   -> a declare or start is a replay; a complete/fail is a replay only with
-    --               the same status and content (output compared as jsonb, so key order and
-    --               spacing do not matter; times are not content), else a conflict;
-    --     older  -> of the record's own attempt (a late start or declare): a replay;
-    --               of an older attempt: stale_attempt, so a zombie worker learns it was
-    --               superseded.
+    -- dec: the judgement of each event whose record exists (judge_outcome), with
+    -- the values an update writes: the event's attempt and start time (so `upd` reads `dec`
+    -- alone, one lookup per record, whatever the call's size).
     dec AS (
-        SELECT cur.i, cur.id, p.a_e, s.started_at, e.target, e.k, e.completed_at, e.now,
-               e.output, e.url, e.error_code, e.error_message, e.lease_expires_at,
-            CASE
-                WHEN (p.a_e, e.k) > (cur.attempt_count, p.rank) THEN
-                    CASE WHEN p.a_e > 2147483647 THEN 'conflict'
-                         WHEN e.k = 2 AND s.started_at IS NULL THEN 'not_started'
-                         ELSE 'applied' END
-                WHEN (p.a_e, e.k) = (cur.attempt_count, p.rank) THEN
-                    CASE WHEN e.k < 2 THEN 'replay'
-                         WHEN cur.status = e.target
-                              AND cur.output IS NOT DISTINCT FROM e.output
-                              AND cur.external_output_url IS NOT DISTINCT FROM e.url
-                              AND cur.error_code IS NOT DISTINCT FROM e.error_code
-                              AND cur.error_message IS NOT DISTINCT FROM e.error_message
-                         THEN 'replay'
-                         ELSE 'conflict' END
-                WHEN p.a_e = cur.attempt_count THEN 'replay'
-                ELSE 'stale_attempt'
-            END AS outcome
-        FROM cur JOIN e ON e.i = cur.i,
-            LATERAL (SELECT
-                CASE WHEN e.k = 0 THEN cur.attempt_count
-                     WHEN e.attempt IS NOT NULL THEN e.attempt
-                     WHEN e.k = 1 THEN cur.attempt_count::bigint + (cur.status <> 'pending')::int
-                     ELSE cur.attempt_count END AS a_e,
-                CASE cur.status WHEN 'pending' THEN 0 WHEN 'running' THEN 1 ELSE 2 END AS rank
-            ) p,
-            LATERAL (SELECT COALESCE(
-                e.started_at,
-                CASE WHEN e.k = 1 THEN e.now
-                     WHEN p.a_e = cur.attempt_count AND cur.status = 'running' THEN cur.started_at
-                END) AS started_at
-            ) s
+        SELECT cur.i, cur.id, e.target, e.kind, e.completed_at, e.now, e.output, e.url,
+               e.error_code, e.error_message, e.lease_expires_at,
+               judge_event_attempt(e.kind, e.attempt, cur.attempt_count, cur.status)
+                   AS attempt,
+               judge_event_started_at(e.kind, e.attempt, e.started_at, e.now,
+                                           cur.attempt_count, cur.status, cur.started_at)
+                   AS started_at,
+               judge_outcome(e.kind, e.attempt, e.started_at, e.now, e.output, e.url,
+                                    e.error_code, e.error_message, cur.attempt_count,
+                                    cur.status, cur.started_at, cur.output,
+                                    cur.external_output_url, cur.error_code,
+                                    cur.error_message) AS outcome
+        FROM cur JOIN e ON e.i = cur.i
     ),
     -- upd: write what was applied, and nothing else (a replay or a refusal leaves
     -- updated_at as it was). The event replaces the whole state: a higher attempt starts
-    -- afresh, so the previous attempt's times, output and error are cleared. A missing
-    -- completed_at is the later of the clock and started_at (timing stays ordered). The
+    -- afresh, so the previous attempt's times, output, error and lease are cleared. The
     -- record's triggers keep the history and notify the stream in the same statement.
     upd AS (
         UPDATE workflow_step_record r SET
             status = d.target,
-            attempt_count = d.a_e,
+            attempt_count = d.attempt,
             started_at = d.started_at,
-            completed_at = CASE WHEN d.k = 2
-                                THEN COALESCE(d.completed_at, GREATEST(d.now, d.started_at)) END,
+            completed_at = judge_event_completed_at(d.kind, d.completed_at, d.now,
+                                                         d.started_at),
             output = d.output,
             external_output_url = d.url,
             error_code = d.error_code,
@@ -187,17 +153,17 @@ BEGIN
     -- completed_at, else the later of the clock and the start known; its own started_at,
     -- else the entry's, else (nothing known) its completed_at.
     late AS (
-        SELECT d.i, cur.instance_id, cur.id AS record_id, d.a_e AS attempt, e.target, e.now,
+        SELECT d.i, cur.instance_id, cur.id AS record_id, d.attempt, e.target, e.now,
                e.output, e.url, e.error_code, e.error_message, h.status AS entry_status,
                h.output AS entry_output, h.external_output_url AS entry_url,
                h.error_code AS entry_error_code, h.error_message AS entry_error_message,
                t.completed_at, COALESCE(e.started_at, h.started_at, t.completed_at) AS started_at
         FROM dec d JOIN cur ON cur.i = d.i JOIN e ON e.i = d.i
-        LEFT JOIN workflow_step_attempt h ON h.record_id = cur.id AND h.attempt = d.a_e,
-            LATERAL (SELECT COALESCE(
-                e.completed_at, GREATEST(e.now, COALESCE(e.started_at, h.started_at))
+        LEFT JOIN workflow_step_attempt h ON h.record_id = cur.id AND h.attempt = d.attempt,
+            LATERAL (SELECT judge_event_completed_at(
+                e.kind, e.completed_at, e.now, COALESCE(e.started_at, h.started_at)
             ) AS completed_at) t
-        WHERE d.outcome = 'stale_attempt' AND e.k = 2
+        WHERE d.outcome = 'stale_attempt' AND e.kind IN ('complete', 'fail')
     ),
     -- late_write: a missing entry is inserted, a superseded one becomes the report; a
     -- terminal entry is left as it is (the WHERE of the upsert), and a report whose start
@@ -230,11 +196,9 @@ BEGIN
         SELECT l.i FROM late l
         WHERE EXISTS (SELECT 1 FROM late_write w
                       WHERE w.record_id = l.record_id AND w.attempt = l.attempt)
-           OR (l.entry_status = l.target
-               AND l.entry_output IS NOT DISTINCT FROM l.output
-               AND l.entry_url IS NOT DISTINCT FROM l.url
-               AND l.entry_error_code IS NOT DISTINCT FROM l.error_code
-               AND l.entry_error_message IS NOT DISTINCT FROM l.error_message)
+           OR judge_same_report(l.entry_status, l.entry_output, l.entry_url,
+                                     l.entry_error_code, l.entry_error_message,
+                                     l.target, l.output, l.url, l.error_code, l.error_message)
     ),
     -- fresh: the events that create a record. s counts, per instance and in event order,
     -- the new steps whose ordinal the server assigns.
@@ -300,7 +264,8 @@ BEGIN
         SELECT id, instance_key FROM known
     ),
     -- ins: create the records, in (instance, slug) order for the same reason. A declare
-    -- creates attempt 1, pending; a start or a terminal event creates its own attempt. A
+    -- creates attempt 1, pending; a start or a terminal event creates its own attempt (the
+    -- one it names against attempt 1, pending: its own, else 1). A
     -- client ordinal that another step holds fails uq_workflow_step_record_instance_id_ordinal
     -- and aborts the statement; an ordinal past the range is answered ordinal_taken below.
     ins AS (
@@ -309,10 +274,10 @@ BEGIN
             started_at, completed_at, error_code, error_message, lease_expires_at, created_at,
             updated_at)
         SELECT inst.id, e.step_slug, a.ordinal, e.target,
-               CASE WHEN e.k = 0 THEN 1 ELSE COALESCE(e.attempt, 1) END,
+               judge_event_attempt(e.kind, e.attempt, 1, 'pending'),
                e.output, e.url,
-               CASE WHEN e.k > 0 THEN COALESCE(e.started_at, e.now) END,
-               CASE WHEN e.k = 2 THEN COALESCE(e.completed_at, GREATEST(e.now, e.started_at)) END,
+               CASE WHEN e.kind <> 'declare' THEN COALESCE(e.started_at, e.now) END,
+               judge_event_completed_at(e.kind, e.completed_at, e.now, e.started_at),
                e.error_code, e.error_message, e.lease_expires_at, e.now, e.now
         FROM assigned a
         JOIN e ON e.i = a.i
@@ -326,23 +291,23 @@ BEGIN
     SELECT e.i, 'created' AS outcome, false AS recorded,
            ins.id, ins.step_slug, ins.ordinal, ins.status, ins.attempt_count,
            ins.output::text AS output, ins.external_output_url, ins.started_at,
-           ins.completed_at, ins.error_code, ins.error_message, ins.created_at,
-           ins.updated_at, ins.lease_expires_at
+           ins.completed_at, ins.lease_expires_at, ins.error_code,
+           ins.error_message, ins.created_at, ins.updated_at
     FROM ins JOIN inst ON inst.id = ins.instance_id
     JOIN e ON e.instance_key = inst.instance_key AND e.step_slug = ins.step_slug
     UNION ALL
     SELECT upd.i, 'applied', false,
            upd.id, upd.step_slug, upd.ordinal, upd.status, upd.attempt_count,
            upd.output::text AS output, upd.external_output_url, upd.started_at,
-           upd.completed_at, upd.error_code, upd.error_message, upd.created_at,
-           upd.updated_at, upd.lease_expires_at
+           upd.completed_at, upd.lease_expires_at, upd.error_code,
+           upd.error_message, upd.created_at, upd.updated_at
     FROM upd
     UNION ALL
     SELECT d.i, d.outcome, EXISTS (SELECT 1 FROM late_recorded r WHERE r.i = d.i),
            cur.id, cur.step_slug, cur.ordinal, cur.status, cur.attempt_count,
            cur.output::text AS output, cur.external_output_url, cur.started_at,
-           cur.completed_at, cur.error_code, cur.error_message, cur.created_at,
-           cur.updated_at, cur.lease_expires_at
+           cur.completed_at, cur.lease_expires_at, cur.error_code,
+           cur.error_message, cur.created_at, cur.updated_at
     FROM dec d JOIN cur ON cur.i = d.i
     WHERE d.outcome <> 'applied'
     UNION ALL

@@ -1,8 +1,8 @@
 -- steprecord_heartbeat: extend the lease of the running attempt each heartbeat names.
 --
 -- Arguments, one array per field (element n is heartbeat n, all of distinct steps):
---   $1 i (the index in the caller's list), $2 instance_key, $3 step_slug, $4 attempt,
---   $5 lease_seconds.
+--   p_i (the index in the caller's list), p_instance_key, p_step_slug, p_attempt,
+--   p_lease_seconds.
 -- Answer: one row per heartbeat, its index, the outcome and the record (NULLs when there is
 -- none), as steprecord_apply_events answers:
 --   applied        the lease now ends at the database clock + lease_seconds;
@@ -14,13 +14,16 @@
 -- A heartbeat never changes status, times or attempt_count, so it cannot move a record
 -- backwards or reopen it; it is decided under the record's row lock, so it cannot extend
 -- a lease that a concurrent terminal event or the sweeper has just closed.
-CREATE OR REPLACE FUNCTION steprecord_heartbeat(int[], text[], text[], bigint[], int[])
+CREATE OR REPLACE FUNCTION steprecord_heartbeat(
+    p_i int[], p_instance_key text[], p_step_slug text[], p_attempt bigint[],
+    p_lease_seconds int[]
+)
 RETURNS TABLE (
     i integer, outcome text,
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
     output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
-    error_code text, error_message text, created_at timestamptz, updated_at timestamptz,
-    lease_expires_at timestamptz
+    lease_expires_at timestamptz, error_code text, error_message text,
+    created_at timestamptz, updated_at timestamptz
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
@@ -30,7 +33,7 @@ BEGIN
     RETURN QUERY
     WITH e AS MATERIALIZED (
         SELECT x.*, clock_timestamp() AS now
-        FROM unnest($1::int[], $2::text[], $3::text[], $4::bigint[], $5::int[])
+        FROM unnest(p_i, p_instance_key, p_step_slug, p_attempt, p_lease_seconds)
             AS x(i, instance_key, step_slug, attempt, lease_seconds)
     ),
     -- The records, locked in id order (no deadlock between two calls).
@@ -53,7 +56,7 @@ BEGIN
     -- attempt's new lease into its history entry).
     upd AS (
         UPDATE workflow_step_record r SET
-            lease_expires_at = e.now + e.lease_seconds * interval '1 second',
+            lease_expires_at = judge_lease_expires_at(e.now, e.lease_seconds),
             updated_at = e.now
         FROM dec d JOIN e ON e.i = d.i
         WHERE r.id = d.id AND d.outcome = 'applied'
@@ -62,15 +65,15 @@ BEGIN
     SELECT upd.i, 'applied' AS outcome,
            upd.id, upd.step_slug, upd.ordinal, upd.status, upd.attempt_count,
            upd.output::text AS output, upd.external_output_url, upd.started_at,
-           upd.completed_at, upd.error_code, upd.error_message, upd.created_at,
-           upd.updated_at, upd.lease_expires_at
+           upd.completed_at, upd.lease_expires_at, upd.error_code,
+           upd.error_message, upd.created_at, upd.updated_at
     FROM upd
     UNION ALL
     SELECT d.i, d.outcome,
            cur.id, cur.step_slug, cur.ordinal, cur.status, cur.attempt_count,
            cur.output::text AS output, cur.external_output_url, cur.started_at,
-           cur.completed_at, cur.error_code, cur.error_message, cur.created_at,
-           cur.updated_at, cur.lease_expires_at
+           cur.completed_at, cur.lease_expires_at, cur.error_code,
+           cur.error_message, cur.created_at, cur.updated_at
     FROM dec d JOIN cur ON cur.i = d.i
     WHERE d.outcome <> 'applied'
     UNION ALL

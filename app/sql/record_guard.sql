@@ -9,9 +9,9 @@
 CREATE OR REPLACE FUNCTION workflow_step_record_guard_transition() RETURNS trigger
 LANGUAGE plpgsql AS $fn$
 DECLARE
-    -- A record's rank: pending 0, running 1, completed or failed 2.
-    old_rank int := CASE OLD.status WHEN 'pending' THEN 0 WHEN 'running' THEN 1 ELSE 2 END;
-    new_rank int := CASE NEW.status WHEN 'pending' THEN 0 WHEN 'running' THEN 1 ELSE 2 END;
+    -- A record's rank within its attempt (judge_rules.sql): pending 0, running 1, finished 2.
+    old_rank int := judge_status_rank(OLD.status);
+    new_rank int := judge_status_rank(NEW.status);
     why text;
 BEGIN
     -- Identities: the record stays the same step of the same instance, at its ordinal.
@@ -26,7 +26,7 @@ BEGIN
                       OLD.attempt_count, old_rank, NEW.attempt_count, new_rank);
     -- A finished attempt is a fact: within the same attempt its status, times, output and
     -- error never change. Only a higher attempt reopens the record.
-    ELSIF old_rank = 2 AND NEW.attempt_count = OLD.attempt_count
+    ELSIF OLD.status IN ('completed', 'failed') AND NEW.attempt_count = OLD.attempt_count
           AND (NEW.status, NEW.started_at, NEW.completed_at, NEW.output,
                NEW.external_output_url, NEW.error_code, NEW.error_message)
               IS DISTINCT FROM

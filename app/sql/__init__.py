@@ -1,0 +1,159 @@
+"""The database's functions as source, and the frozen copies the migrations install.
+
+`app/sql/*.sql` is what a database at head runs. A migration never reads it: it installs a
+frozen copy beside itself (`migrations/versions/NNNN_name.up.sql`), and its downgrade the
+text the revisions before it froze (`.down.sql`). `python -m app.sql freeze NNNN_name`
+writes both from the source, so a change of the judge is a change of `app/sql/` and one
+command (docs/database.md, "Change a rule of the judge").
+
+A frozen upgrade holds each source file that differs from what the revisions before it
+froze, whole, after a line `-- ===== app/sql/NAME.sql =====`; so the text of every file as
+of any revision is the last such section at or before it. Functions whose arguments or
+result change, or that go away, are dropped first: PostgreSQL changes a function's
+arguments only by dropping and creating it. The downgrade drops what the upgrade created
+or changed that way and restores the previous text of each file it froze.
+"""
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parent
+VERSIONS = SOURCE.parent.parent / "migrations" / "versions"
+COMMAND = "python -m app.sql freeze"
+
+_SECTION = re.compile(r"^-- ===== app/sql/([\w.-]+\.sql) =====\n", re.MULTILINE)
+_OTHER_SECTION = re.compile(r"^-- ===== ", re.MULTILINE)
+_FUNCTION = re.compile(r"CREATE OR REPLACE FUNCTION (\w+)\s*\(")
+_REVISION = re.compile(r"^(\d{4})_\w+$")
+
+
+def source() -> dict[str, str]:
+    """Each file of `app/sql/` by name, in the order a database installs them."""
+    return {path.name: path.read_text() for path in sorted(SOURCE.glob("*.sql"))}
+
+
+def sections(frozen: str) -> dict[str, str]:
+    """The source files a frozen upgrade holds, by name, with their text."""
+    found: dict[str, str] = {}
+    marks = list(_SECTION.finditer(frozen))
+    for mark in marks:
+        rest = frozen[mark.end() :]
+        end = _OTHER_SECTION.search(rest)
+        text = rest if end is None else rest[: end.start()]
+        found[mark.group(1)] = text.rstrip("\n") + "\n"
+    return found
+
+
+def revision_number(name: str) -> int:
+    match = _REVISION.match(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a revision name such as 0018_judge_once")
+    return int(match.group(1))
+
+
+def frozen_as_of(number: int) -> dict[str, str]:
+    """The source as the frozen upgrades of revisions up to `number` (included) left it."""
+    files: dict[str, str] = {}
+    for path in sorted(VERSIONS.glob("[0-9][0-9][0-9][0-9]_*.up.sql")):
+        if revision_number(path.name.removesuffix(".up.sql")) <= number:
+            files.update(sections(path.read_text()))
+    return files
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    arguments: str  # as written, names and defaults included
+    header: str  # arguments and result, whitespace collapsed: what CREATE OR REPLACE keeps
+
+    @property
+    def signature(self) -> str:
+        """The function as DROP FUNCTION names it (argument names allowed, defaults not)."""
+        parts = [re.split(r"\s+DEFAULT\s+", part.strip())[0] for part in _split(self.arguments)]
+        return f"{self.name}({', '.join(part for part in parts if part)})"
+
+
+def _split(arguments: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(arguments):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(arguments[start:index])
+            start = index + 1
+    parts.append(arguments[start:])
+    return parts
+
+
+def functions(files: dict[str, str]) -> dict[str, Function]:
+    """The functions the files create, by name, with their arguments and result."""
+    found: dict[str, Function] = {}
+    for text in files.values():
+        for match in _FUNCTION.finditer(text):
+            depth, index = 1, match.end()
+            while depth:
+                depth += {"(": 1, ")": -1}.get(text[index], 0)
+                index += 1
+            arguments = text[match.end() : index - 1]
+            result = text[index : text.index("LANGUAGE", index)]
+            header = " ".join(f"({arguments}) {result}".split())
+            found[match.group(1)] = Function(match.group(1), " ".join(arguments.split()), header)
+    return found
+
+
+def _drops(gone: dict[str, Function], kept: dict[str, Function]) -> list[str]:
+    """DROP FUNCTION of each function of `gone` that `kept` lacks or declares otherwise."""
+    return [
+        f"DROP FUNCTION {function.signature};"
+        for name, function in gone.items()
+        if name not in kept or kept[name].header != function.header
+    ]
+
+
+def render(name: str, files: dict[str, str] | None = None) -> tuple[str, str]:
+    """The frozen upgrade and downgrade of revision `name` (e.g. `0018_judge_once`): the
+    source (`files`, by default `app/sql/` as it is) against what the revisions before froze."""
+    number = revision_number(name)
+    new = source() if files is None else files
+    old = frozen_as_of(number - 1)
+    missing = sorted(old.keys() - new.keys())
+    if missing:
+        raise ValueError(f"{', '.join(missing)} left app/sql/: write this revision by hand")
+    changed = [file for file in sorted(new) if new[file] != old.get(file)]
+    if not changed:
+        raise ValueError("app/sql/ is as the revisions before froze it: nothing to freeze")
+    previous = f"{number - 1:04d}"
+    made = [
+        f"-- Made by `{COMMAND} {name}`. Never edit it: the source is app/sql/;",
+        "-- change it there and freeze a new revision.",
+    ]
+    up = [
+        f"-- Revision {name}, upgrade: the files of app/sql/ that changed since revision",
+        f"-- {previous}, whole.",
+        *made,
+    ]
+    drops = _drops(functions({file: old[file] for file in changed if file in old}), functions(new))
+    if drops:
+        up += ["", "-- Functions whose arguments or result change, or that go away:", *drops]
+    for file in changed:
+        up += ["", f"-- ===== app/sql/{file} =====", new[file].rstrip("\n")]
+    down = [
+        f"-- Revision {name}, downgrade: the same files as of revision {previous}.",
+        *made,
+    ]
+    drops = _drops(functions({file: new[file] for file in changed}), functions(old))
+    if drops:
+        down += ["", "-- Functions this revision created or declared otherwise:", *drops]
+    for file in changed:
+        if file in old:
+            down += ["", f"-- ===== app/sql/{file} as of revision {previous} =====", old[file]]
+    return "\n".join(up) + "\n", "\n".join(down).rstrip("\n") + "\n"
+
+
+def freeze(name: str) -> tuple[Path, Path]:
+    """Write revision `name`'s frozen upgrade and downgrade beside its migration."""
+    up, down = render(name)
+    paths = VERSIONS / f"{name}.up.sql", VERSIONS / f"{name}.down.sql"
+    paths[0].write_text(up)
+    paths[1].write_text(down)
+    return paths

@@ -1,0 +1,56 @@
+"""The record's shape is written once (app/record.py); everything that shows a record follows.
+
+The database functions that answer records declare their columns in SQL, which cannot read
+Python: these tests hold each `RETURNS TABLE` to the one definition, column for column.
+"""
+
+import psycopg
+import pytest
+
+from app import record, schemas, serialize
+from app.data.common import RECORD
+
+Conn = psycopg.Connection[tuple[object, ...]]
+
+# Each function that answers records: the columns before the record's, and whether the
+# instance's key is among the record's (a page has it; the judge's caller adds it).
+ANSWERS = {
+    "steprecord_apply_event": (("i", "integer"), ("outcome", "text"), ("recorded", "boolean")),
+    "steprecord_apply_events": (("i", "integer"), ("outcome", "text"), ("recorded", "boolean")),
+    "steprecord_heartbeat": (("i", "integer"), ("outcome", "text")),
+    "steprecord_list_page": (),
+}
+WITH_KEY = {"steprecord_list_page"}
+
+RETURNS_TABLE = """
+SELECT a.name, format_type(a.type, NULL)
+FROM pg_proc p, unnest(p.proargnames, p.proallargtypes, p.proargmodes)
+    WITH ORDINALITY AS a(name, type, mode, n)
+WHERE p.proname = %s AND a.mode = 't'
+ORDER BY a.n
+"""
+
+
+@pytest.mark.parametrize("function", sorted(ANSWERS))
+def test_each_function_answers_the_record_s_columns_in_its_order_and_types(
+    db: Conn, function: str
+) -> None:
+    def sql_type(name: str) -> str:
+        row = db.execute("SELECT format_type(%s::regtype, NULL)", (name,)).fetchone()
+        assert row is not None
+        return str(row[0])
+
+    fields = [f for f in record.FIELDS if f.stored or function in WITH_KEY]
+    expected = [*ANSWERS[function], *((f.key, sql_type(f.sql)) for f in fields)]
+    declared = [(str(name), str(kind)) for name, kind in db.execute(RETURNS_TABLE, (function,))]
+    assert declared == expected
+
+
+def test_the_response_model_the_json_keys_and_the_columns_follow_the_one_definition() -> None:
+    assert tuple(schemas.Record.model_fields) == record.KEYS
+    required = {key for key, field in schemas.Record.model_fields.items() if field.is_required()}
+    assert required == set(record.KEYS) - set(record.NOT_IN_SUMMARY)
+    assert serialize.RECORD_KEYS == record.KEYS
+    columns = RECORD.format(r="r").split(", ")
+    selected = [column.split(" AS ")[-1].removeprefix("r.") for column in columns]
+    assert selected == [f.key for f in record.FIELDS if f.stored]
