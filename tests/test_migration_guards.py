@@ -40,7 +40,7 @@ def test_0019_refuses_undelimited_prefixes_naming_the_tokens_until_they_are_resc
     scratch_database: str,
 ) -> None:
     config = config_for(scratch_database)
-    command.upgrade(config, "0017")
+    command.upgrade(config, "0018")
     with psycopg.connect(scratch_database, autocommit=True) as conn:
         conn.execute(
             "INSERT INTO api_token (name, scope, token_sha256, key_prefix) VALUES"
@@ -56,14 +56,14 @@ def test_0019_refuses_undelimited_prefixes_naming_the_tokens_until_they_are_resc
     assert "admin" not in message
     assert "UPDATE api_token SET key_prefix" in message
     assert "token revoke" in message
-    assert revision_of(scratch_database) == "0017"
+    assert revision_of(scratch_database) == "0018"
     assert "ck_api_token_key_prefix_separated" not in constraints_of_api_token(scratch_database)
 
     with psycopg.connect(scratch_database, autocommit=True) as conn:
         conn.execute("UPDATE api_token SET key_prefix = 'acme-' WHERE name = 'acme-ci'")
     command.upgrade(config, "0019")
     assert "ck_api_token_key_prefix_separated" in constraints_of_api_token(scratch_database)
-    command.downgrade(config, "0017")
+    command.downgrade(config, "0018")
     assert "ck_api_token_key_prefix_separated" not in constraints_of_api_token(scratch_database)
     command.upgrade(config, "head")
 

@@ -23,7 +23,7 @@ Why each statement is here:
 Downgrade drops the constraint; the prefixes stay as they are (all delimited).
 
 Revision ID: 0019
-Revises: 0017
+Revises: 0018
 Create Date: 2026-12-05
 """
 
@@ -32,7 +32,7 @@ from alembic import op
 from migrations.guard import MigrationRefused, found
 
 revision = "0019"
-down_revision = "0017"
+down_revision = "0018"
 branch_labels = None
 depends_on = None
 
