@@ -5,18 +5,23 @@ from typing import Any
 
 from app.db import AsyncConn
 
-# Everything the instance page shows of its steps, without outputs and messages (the step
-# page shows those): one statement for the records, one for every attempt of the instance.
-INSTANCE_STEPS = """
+# An error message's first line (the step page shows it whole), cut to 300 characters.
+ERROR_LINE = "left(split_part({m}, E'\\n', 1), 300) AS error_line"
+
+# Everything the instance page shows of its steps, without outputs and with only the first
+# line of an error message (the step page shows both whole): one statement for the records,
+# one for every attempt of the instance.
+INSTANCE_STEPS = f"""
 SELECT r.id, r.step_slug, r.ordinal, r.status, r.attempt_count, r.started_at, r.completed_at,
-       r.error_code, r.lease_expires_at, r.updated_at
+       r.error_code, {ERROR_LINE.format(m="r.error_message")}, r.lease_expires_at, r.updated_at
 FROM workflow_step_record r
 WHERE r.instance_id = %(instance_id)s
 ORDER BY r.ordinal
 LIMIT %(limit)s
 """
-INSTANCE_ATTEMPTS = """
-SELECT a.record_id, a.attempt, a.status, a.started_at, a.completed_at, a.error_code
+INSTANCE_ATTEMPTS = f"""
+SELECT a.record_id, a.attempt, a.status, a.started_at, a.completed_at, a.error_code,
+       {ERROR_LINE.format(m="a.error_message")}
 FROM workflow_step_record r
 JOIN workflow_step_attempt a ON a.record_id = r.id
 WHERE r.instance_id = %(instance_id)s AND r.ordinal <= %(last_ordinal)s
