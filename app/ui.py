@@ -9,7 +9,7 @@ import json
 import re
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
@@ -21,7 +21,7 @@ from starlette.types import Scope
 
 from app import cursors, domain, static, tenancy
 from app import timeline as timescale
-from app.data import dashboard, reads
+from app.data import dashboard, reads, stats
 from app.db import AsyncConn
 from app.errors import Problem
 from app.limits import NAME_RE
@@ -41,6 +41,7 @@ OPEN_PATHS = frozenset({CSS, JS, LOGIN, LOGOUT})
 PAGE_SIZE = 50
 MAX_STEPS = 1000  # the most steps an instance page shows; the API lists any number
 LIST_SIZE = 100
+STATS_SIZE = 100  # step names on the statistics page, most attempts first
 MAX_LOGIN_BYTES = 4096
 PREFIX_RE = re.compile(r"[A-Za-z0-9._:-]{1,200}")
 # The timeline's lanes and axis, in pixels (its scale: app/timeline.py).
@@ -476,16 +477,125 @@ async def _across(request: Request, *, failed: bool) -> list[dict[str, Any]]:
     return page.items
 
 
+@dataclass(frozen=True, slots=True)
+class Spark:
+    """Failures per hour as a small SVG: one bar an hour, oldest first."""
+
+    bars: list[tuple[float, float, float, str]]  # x, y, height, its words
+    width: int
+    height: int
+    total: int
+    peak: int
+    label: str
+
+
+SPARK_HOUR, SPARK_HEIGHT = 8, 36
+
+
+def sparkline(hours: list[tuple[datetime, int]]) -> Spark:
+    peak = max((count for _, count in hours), default=0)
+    bars = []
+    for index, (hour, count) in enumerate(hours):
+        height = 0.0 if count == 0 else max(count / peak * SPARK_HEIGHT, 2.0)
+        words = f"{hour.astimezone(UTC):%H}:00 UTC: {count} failed"
+        bars.append((index * SPARK_HOUR + 1.0, SPARK_HEIGHT - height, height, words))
+    total = sum(count for _, count in hours)
+    label = f"Failed attempts per hour, last 24 hours: {total} in all"
+    if peak:
+        busiest = max(hours, key=lambda item: item[1])[0].astimezone(UTC)
+        label += f", at most {peak} an hour (from {busiest:%H}:00 UTC)"
+    return Spark(bars, len(hours) * SPARK_HOUR, SPARK_HEIGHT, total, peak, label)
+
+
 @router.get("/ui/failing")
 async def failing_page(request: Request) -> Response:
-    items = await _across(request, failed=True)
-    return render(request, "across.html", title="Failing now", view="failing", items=items)
+    step = (request.query_params.get("step") or "").strip() or None
+    if step is not None and not NAME_RE.fullmatch(step):
+        return not_found(request, "No step has that name.")
+    now = datetime.now(UTC)
+    prefix = tenancy.prefix_of(request.scope)
+    async with read_connection(request) as conn:
+        hours = await stats.failures_per_hour(
+            conn, since=now - timedelta(hours=24), until=now, prefix=prefix
+        )
+        if step is not None:
+            items = await dashboard.failed_of_step(conn, step, prefix=prefix, limit=LIST_SIZE)
+    if step is None:
+        items = await _across(request, failed=True)
+    return render(
+        request,
+        "across.html",
+        title="Failing now",
+        view="failing",
+        items=items,
+        step=step,
+        spark=sparkline(hours),
+    )
 
 
 @router.get("/ui/stuck")
 async def stuck_page(request: Request) -> Response:
     items = await _across(request, failed=False)
     return render(request, "across.html", title="Stuck", view="stuck", items=items)
+
+
+WINDOWS = {"1h": timedelta(hours=1), "24h": timedelta(hours=24), "7d": timedelta(days=7)}
+
+
+@router.get("/ui/stats")
+async def stats_page(request: Request) -> Response:
+    """Per step name over a window: attempts, failure rate, and a bar of its p95 duration,
+    from the function behind `GET /v1/stats/steps`, within the token's prefix as it is."""
+    window = request.query_params.get("window") or "24h"
+    prefix = (request.query_params.get("prefix") or "").strip() or None
+    errors = []
+    if window not in WINDOWS:
+        errors.append("The window is 1h, 24h or 7d.")
+        window = "24h"
+    if prefix is not None and not PREFIX_RE.fullmatch(prefix):
+        errors.append(
+            "A key prefix is 1 to 200 characters of letters, digits and . _ : - (as keys are)."
+        )
+    until = datetime.now(UTC)
+    since = until - WINDOWS[window]
+    items: list[dict[str, Any]] = []
+    reachable, within = tenancy.narrow(tenancy.prefix_of(request.scope), prefix)
+    if reachable and not errors:
+        async with read_connection(request) as conn:
+            items = await stats.step_stats(
+                conn, since=since, until=until, prefix=within, limit=STATS_SIZE
+            )
+    slowest = max((i["duration_ms"]["p95"] or 0.0 for i in items), default=0.0)
+    rows = [
+        {
+            **item,
+            "total": sum(item["attempts"].values()),
+            "p95": _ms_words(item["duration_ms"]["p95"]),
+            "p50": _ms_words(item["duration_ms"]["p50"]),
+            "max": _ms_words(item["duration_ms"]["max"]),
+            "bar": 0.0 if not slowest else (item["duration_ms"]["p95"] or 0.0) / slowest * 100,
+            "rate": "" if item["failure_rate"] is None else f"{item['failure_rate']:.1%}",
+            "failing": "/ui/failing?step=" + quote(item["name"], safe=""),
+        }
+        for item in items
+    ]
+    return render(
+        request,
+        "stats.html",
+        422 if errors else 200,
+        title="Statistics",
+        rows=rows,
+        window=window,
+        windows=list(WINDOWS),
+        prefix=prefix or "",
+        errors=errors,
+        since=since,
+        until=until,
+    )
+
+
+def _ms_words(value: float | None) -> str:
+    return "" if value is None else duration(value / 1000)
 
 
 # --- signing in ------------------------------------------------------------------------

@@ -1,8 +1,11 @@
-"""The dashboard's own reads: an instance's steps with every attempt, for the timeline (its
-list of instances is the API's, `reads.list_instances`)."""
+"""The dashboard's own reads: an instance's steps with every attempt, for the timeline, and
+the failed records of one step name, for Failing now (its other lists are the API's)."""
 
 from typing import Any
 
+from app.data.common import RECORD
+from app.data.reads import IN_PREFIX, prefix_params
+from app.data.stats import CELERY_TASK_ID
 from app.db import AsyncConn
 
 # An error message's first line (the step page shows it whole), cut to 300 characters.
@@ -53,3 +56,37 @@ async def instance_steps(
         if owner is not None:
             owner["attempts"].append(attempt)
     return records, more
+
+
+def failed_of_step_query(*, prefix: bool) -> str:
+    """Failed records of one step name (a slug, or a Celery task name: its slugs are the name,
+    a colon and a task id), newest `updated_at` first: a backward scan of the failed records
+    by `(status, updated_at, id)` that stops at `limit` matches."""
+    within = (
+        f" AND r.instance_id IN (SELECT p.id FROM process_instance p WHERE {IN_PREFIX})"
+        if prefix
+        else ""
+    )
+    return f"""
+SELECT (SELECT p.instance_key FROM process_instance p WHERE p.id = r.instance_id)
+           AS instance_key, {RECORD.format(r="r")}
+FROM workflow_step_record r
+WHERE r.status = 'failed'
+  AND (r.step_slug = %(name)s
+       OR (r.step_slug LIKE %(celery_like)s AND r.step_slug ~ '{CELERY_TASK_ID}')){within}
+ORDER BY r.updated_at DESC, r.id DESC
+LIMIT %(limit)s
+"""
+
+
+async def failed_of_step(
+    conn: AsyncConn, name: str, *, prefix: str | None, limit: int
+) -> list[dict[str, Any]]:
+    """The failed records of step `name` as `/v1/stats/steps` names steps (see
+    `failed_of_step_query`), only of instances whose key starts with `prefix` when given."""
+    escaped = name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    params: dict[str, Any] = {"name": name, "celery_like": escaped + ":%", "limit": limit}
+    if prefix:
+        params |= prefix_params(prefix)
+    cur = await conn.execute(failed_of_step_query(prefix=bool(prefix)), params)
+    return await cur.fetchall()
