@@ -21,7 +21,7 @@ from starlette.types import Scope
 
 from app import cursors, domain, static, tenancy
 from app import timeline as timescale
-from app.data import dashboard, reads, stats
+from app.data import dashboard, reads, running, stats
 from app.db import AsyncConn
 from app.errors import Problem
 from app.limits import NAME_RE
@@ -353,6 +353,7 @@ async def instances_page(request: Request) -> Response:
         except Problem:
             errors.append("That page link is no longer valid: start from the first page.")
     items: list[dict[str, Any]] = []
+    summaries: dict[int, dict[str, Any]] = {}
     last = None
     # A token with a key prefix sees its instances only, whatever the filter asks.
     reachable, within = tenancy.narrow(tenancy.prefix_of(request.scope), prefix)
@@ -361,6 +362,16 @@ async def instances_page(request: Request) -> Response:
             items, last = await reads.list_instances(
                 conn, prefix=within, has=has, before=before, limit=PAGE_SIZE
             )
+            summaries = await dashboard.instance_summaries(conn, [i["id"] for i in items])
+    now = datetime.now(UTC)
+    for item in items:
+        summary = summaries.get(item["id"])
+        item["failing_step"] = summary["failing_step"] if summary else None
+        item["last_activity"] = summary["last_activity"] if summary else None
+        item["took"] = ""
+        if summary and summary["first_start"] is not None:
+            end = None if summary["running"] else summary["last_end"] or summary["first_start"]
+            item["took"] = took(summary["first_start"], end, now) + (" so far" if not end else "")
     next_query = None
     if last is not None:
         params = {
@@ -535,8 +546,28 @@ async def failing_page(request: Request) -> Response:
 
 @router.get("/ui/stuck")
 async def stuck_page(request: Request) -> Response:
+    """Running steps whose lease expired, then running steps without a lease that have run
+    longer than STEPRECORD_LONG_RUNNING_AFTER (the sweeper never fails those)."""
     items = await _across(request, failed=False)
-    return render(request, "across.html", title="Stuck", view="stuck", items=items)
+    after: timedelta = request.app.state.long_running_after
+    async with read_connection(request) as conn:
+        unleased = await running.list_long_running(
+            conn,
+            older_than=after.total_seconds(),
+            prefix=tenancy.prefix_of(request.scope),
+            no_lease=True,
+            after=None,
+            limit=LIST_SIZE,
+        )
+    return render(
+        request,
+        "across.html",
+        title="Stuck",
+        view="stuck",
+        items=items,
+        unleased=unleased.items,
+        long_running_after=duration(after.total_seconds()),
+    )
 
 
 WINDOWS = {"1h": timedelta(hours=1), "24h": timedelta(hours=24), "7d": timedelta(days=7)}

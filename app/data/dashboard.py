@@ -90,3 +90,28 @@ async def failed_of_step(
         params |= prefix_params(prefix)
     cur = await conn.execute(failed_of_step_query(prefix=bool(prefix)), params)
     return await cur.fetchall()
+
+
+# For the instances a list page shows (at most a page of them): when each last changed, its
+# first start and last end, whether a step runs, and its first failed step by ordinal. One
+# statement reading those instances' records by `instance_id`, never the whole table.
+INSTANCE_SUMMARIES = """
+SELECT r.instance_id,
+       max(r.updated_at) AS last_activity,
+       min(r.started_at) AS first_start,
+       max(r.completed_at) AS last_end,
+       bool_or(r.status = 'running') AS running,
+       (array_agg(r.step_slug ORDER BY r.ordinal) FILTER (WHERE r.status = 'failed'))[1]
+           AS failing_step
+FROM workflow_step_record r
+WHERE r.instance_id = ANY(%(ids)s)
+GROUP BY r.instance_id
+"""
+
+
+async def instance_summaries(conn: AsyncConn, ids: list[int]) -> dict[int, dict[str, Any]]:
+    """Per instance id (see `INSTANCE_SUMMARIES`); an instance without records is absent."""
+    if not ids:
+        return {}
+    cur = await conn.execute(INSTANCE_SUMMARIES, {"ids": ids})
+    return {row.pop("instance_id"): row for row in await cur.fetchall()}
