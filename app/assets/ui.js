@@ -64,8 +64,16 @@
     live.className = "live gone";
     main.classList.add("gone");
   }
+  // At most one fetch at a time, and one every half second: a burst of changes to a large
+  // instance costs a few fetches, not one per change.
+  var waiting = null;
   function refresh() {
     if (fetching) { again = true; return; }
+    var wait = lastFetch + 500 - Date.now();
+    if (wait > 0) {
+      if (!waiting) waiting = setTimeout(function () { waiting = null; refresh(); }, wait);
+      return;
+    }
     fetching = true; again = false; lastFetch = Date.now();
     fetch(main.dataset.parts, { credentials: "same-origin" }).then(function (answer) {
       if (answer.status === 404) { gone(); return null; }
