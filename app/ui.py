@@ -255,9 +255,9 @@ def timeline(instance_key: str, records: list[dict[str, Any]], now: datetime) ->
     The page's script draws nothing itself: it asks for this again (`/ui/instances/{key}/
     parts`) when the stream says a step changed, and only stretches running bars to now."""
     attempts = [a for r in records for a in r["attempts"]]
-    running = any(a["completed_at"] is None for a in attempts)
+    runs = any(a["completed_at"] is None for a in attempts)
     scale = timescale.scale(
-        [(a["started_at"], a["completed_at"] or now) for a in attempts], running=running, now=now
+        [(a["started_at"], a["completed_at"] or now) for a in attempts], running=runs, now=now
     )
     rows = []
     steps_path = path("instances", instance_key, "steps") + "/"

@@ -13,7 +13,7 @@ import pytest
 from playwright.sync_api import Browser, Page, expect
 
 from app import timeline
-from tests.helpers import post, screenshot
+from tests.helpers import post, screenshot, wait_for
 
 RUN = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
 TASK_ID = "5f0c7d6e-2b1a-4c3d-9e8f-0a1b2c3d4e5f"
@@ -230,3 +230,17 @@ def test_a_row_added_live_is_drawn_as_the_server_draws_it_celery_slug_included(
     assert page.evaluate("window.notReloaded") is True
     page.reload()
     assert lane_and_row(page, CELERY) == live
+
+
+def test_a_running_bar_grows_to_now_on_the_servers_scale(page: Page, client: httpx.Client) -> None:
+    started = (datetime.now(UTC) - timedelta(seconds=2)).isoformat()
+    step(client, "busy-1", "done", started, (datetime.now(UTC) - timedelta(seconds=1)).isoformat())
+    assert post(client, "start", {"started_at": started}, "busy-1", "work").is_success
+    page.goto("/ui/instances/busy-1")
+    bar = page.locator('g.lane[data-step="work"] rect.bar.running')
+    first = bar.bounding_box()
+    assert first is not None
+    wait_for(
+        "the running bar to grow",
+        lambda: (box := bar.bounding_box()) is not None and box["width"] > first["width"] + 5,
+    )
