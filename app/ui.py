@@ -21,12 +21,14 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import cursors, domain, sessions, static, tenancy
-from app.data import dashboard, reads
+from app import timeline as timescale
+from app.data import dashboard, reads, running, stats
 from app.db import AsyncConn
 from app.errors import Problem
 from app.limits import NAME_RE
 from app.replica import ReadPool
 from app.serialize import timestamp
+from app.timeline import Scale, duration
 
 HERE = Path(__file__).resolve().parent
 ASSETS = HERE / "assets"
@@ -41,11 +43,11 @@ OPEN_PATHS = frozenset({CSS, JS, LOGIN, LOGOUT})
 PAGE_SIZE = 50
 MAX_STEPS = 1000  # the most steps an instance page shows; the API lists any number
 LIST_SIZE = 100
+STATS_SIZE = 100  # step names on the statistics page, most attempts first
 MAX_LOGIN_BYTES = 4096
 PREFIX_RE = re.compile(r"[A-Za-z0-9._:-]{1,200}")
-# The timeline: labels take the left LABEL percent of its width, bars the next AREA percent.
-LABEL, AREA = 22.0, 77.0
-LANE, AXIS = 18, 22
+# The timeline's lanes and axis, in pixels (its scale: app/timeline.py).
+LANE, AXIS = 18, 34
 # Long pages are drawn in chunks of steps that the browser lays out only once scrolled into
 # view (`content-visibility: auto`); ROW_HEIGHT is a table row's estimated height in pixels.
 CHUNK = 100
@@ -84,25 +86,6 @@ def iso(value: datetime | None) -> str:
 
 def millis(value: datetime | None) -> str:
     return "" if value is None else str(round(value.timestamp() * 1000))
-
-
-def duration(seconds: float) -> str:
-    """A short human duration: 350 ms, 12.3 s, 4 min 12 s, 2 h 5 min, 3 d 4 h."""
-    seconds = max(seconds, 0.0)
-    if seconds < 1:
-        return f"{round(seconds * 1000)} ms"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    whole = int(seconds)
-    for unit, size, small, small_size in (
-        ("d", 86400, "h", 3600),
-        ("h", 3600, "min", 60),
-        ("min", 60, "s", 1),
-    ):
-        if whole >= size:
-            rest = (whole % size) // small_size
-            return f"{whole // size} {unit}" + (f" {rest} {small}" if rest else "")
-    raise AssertionError("unreachable")
 
 
 def took(start: datetime | None, end: datetime | None, now: datetime) -> str:
@@ -178,6 +161,20 @@ def not_found(request: Request, what: str) -> HTMLResponse:
 
 
 @dataclass(frozen=True, slots=True)
+class Bar:
+    """An attempt's bar on its lane: placed in percent of the timeline's width, with the
+    words a person reads on hover or keyboard focus (and a screen reader as its label)."""
+
+    mark: str
+    x: float
+    width: float
+    attempt: int
+    start_ms: str
+    end_ms: str
+    tip: str
+
+
+@dataclass(frozen=True, slots=True)
 class Row:
     """A step as the instance page shows it, in its table row and its timeline lane."""
 
@@ -185,7 +182,7 @@ class Row:
     short: str
     href: str
     y: int
-    bars: list[tuple[str, float, float, int, str, str, str]]
+    bars: list[Bar]
     ordinal: int
     status: str
     mark: str
@@ -197,6 +194,7 @@ class Row:
     end_ms: str
     took: str
     error: str
+    error_line: str
     updated: str
 
 
@@ -234,37 +232,58 @@ def step_label(slug: str, size: int | None = None) -> str:
 ENV.filters["step_label"] = step_label
 
 
+def tip(slug: str, attempt: dict[str, Any], scale: Scale, now: datetime) -> str:
+    """An attempt's bar in words, one fact a line: what, when (after the run's first start,
+    and in UTC), how long, and its error's first line."""
+    start, end, code = attempt["started_at"], attempt["completed_at"], attempt["error_code"]
+    lines = [
+        f"{step_label(slug)}, attempt {attempt['attempt']}: {label(attempt['status'], code)}",
+        f"started {offset_of(scale, start)} ({utc(start)})",
+        (f"ended {offset_of(scale, end)}, took " if end else "running for ")
+        + took(start, end, now),
+    ]
+    if (code and code != "lease_expired") or attempt["error_line"]:
+        lines.append("error: " + ": ".join(part for part in (code, attempt["error_line"]) if part))
+    return "\n".join(lines)
+
+
+def offset_of(scale: Scale, moment: datetime) -> str:
+    return "+" + duration((moment - scale.first).total_seconds())
+
+
 def timeline(instance_key: str, records: list[dict[str, Any]], now: datetime) -> dict[str, Any]:
     """The instance page's rows: the steps table and the timeline's lanes, with every text
     formatted here (the template only places and escapes them; it renders 1,000 steps fast).
-
-    Bars are placed in percent of the timeline's width; the page's script places them again
-    as running bars grow."""
-    starts = [a["started_at"] for r in records for a in r["attempts"]]
-    ends = [a["completed_at"] or now for r in records for a in r["attempts"]]
-    first, last = (min(starts), max(ends)) if starts else (now, now)
-    # 5% of room past the last end, so running bars grow a while before the scale must change
-    # (the page's script keeps the same rule).
-    last += max(last - first, timedelta(seconds=1)) * 0.05
-    span = (last - first).total_seconds()
+    The page's script draws nothing itself: it asks for this again (`/ui/instances/{key}/
+    parts`) when the stream says a step changed, and only stretches running bars to now."""
+    attempts = [a for r in records for a in r["attempts"]]
+    runs = any(a["completed_at"] is None for a in attempts)
+    scale = timescale.scale(
+        [(a["started_at"], a["completed_at"] or now) for a in attempts], running=runs, now=now
+    )
     rows = []
     steps_path = path("instances", instance_key, "steps") + "/"
     for index, record in enumerate(records):
-        bars = []
-        for attempt in record["attempts"]:
-            start = (attempt["started_at"] - first).total_seconds() / span
-            end = ((attempt["completed_at"] or now) - first).total_seconds() / span
+        bars: list[Bar] = []
+        for attempt in record["attempts"] if scale else ():
+            assert scale is not None
             code = attempt["error_code"]
+            x, width = scale.bar(attempt["started_at"], attempt["completed_at"] or now)
+            if bars and x < bars[-1].x + bars[-1].width:
+                # The previous attempt drawn wider than it ran (the minimum width): this
+                # one starts after it, so neither hides the other from a pointer.
+                end = x + width
+                x = round(bars[-1].x + bars[-1].width, 3)
+                width = round(max(end - x, timescale.MIN_BAR), 3)
             bars.append(
-                (
-                    mark(attempt["status"], code),
-                    round(LABEL + start * AREA, 3),
-                    round(max((end - start) * AREA, 0.15), 3),
-                    attempt["attempt"],
-                    millis(attempt["started_at"]),
-                    millis(attempt["completed_at"]),
-                    f"attempt {attempt['attempt']}: {label(attempt['status'], code)}"
-                    + (f" ({code})" if code and code != "lease_expired" else ""),
+                Bar(
+                    mark=mark(attempt["status"], code),
+                    x=x,
+                    width=width,
+                    attempt=attempt["attempt"],
+                    start_ms=millis(attempt["started_at"]),
+                    end_ms=millis(attempt["completed_at"]),
+                    tip=tip(record["step_slug"], attempt, scale, now),
                 )
             )
         status, code = record["status"], record["error_code"]
@@ -286,18 +305,25 @@ def timeline(instance_key: str, records: list[dict[str, Any]], now: datetime) ->
                 end_ms=millis(record["completed_at"]),
                 took=took(record["started_at"], record["completed_at"], now),
                 error=code or "",
+                error_line=record["error_line"] or "",
                 updated=iso(record["updated_at"]),
             )
         )
     chunks = [rows[i : i + CHUNK] for i in range(0, len(rows), CHUNK)] or [[]]
+    last = scale.segments[-1] if scale else None
     return {
         "chunks": chunks,
-        "first": utc(first) if starts else "",
-        "last": utc(last) if starts else "",
-        "first_ms": millis(first) if starts else "",
-        "last_ms": millis(last) if starts else "",
-        "label": LABEL,
-        "area": AREA,
+        "scale": scale,
+        "first": utc(scale.first) if scale else "",
+        "first_ms": millis(scale.first) if scale else "",
+        # How the script stretches running bars: the last segment is linear, and every
+        # running attempt lies in it (no gap is compressed while something runs).
+        "end_ms": f"{last.end:.0f}" if last else "",
+        "pct_per_ms": f"{last.pct_per_ms:.9g}" if last else "",
+        "now_ms": millis(now),
+        "min_bar": timescale.MIN_BAR,
+        "label": timescale.LABEL,
+        "area": timescale.AREA,
         "lane": LANE,
         "axis": AXIS,
         "row_height": ROW_HEIGHT,
@@ -329,6 +355,7 @@ async def instances_page(request: Request) -> Response:
         except Problem:
             errors.append("That page link is no longer valid: start from the first page.")
     items: list[dict[str, Any]] = []
+    summaries: dict[int, dict[str, Any]] = {}
     last = None
     # A token with a key prefix sees its instances only, whatever the filter asks.
     reachable, within = tenancy.narrow(tenancy.prefix_of(request.scope), prefix)
@@ -337,6 +364,16 @@ async def instances_page(request: Request) -> Response:
             items, last = await reads.list_instances(
                 conn, prefix=within, has=has, before=before, limit=PAGE_SIZE
             )
+            summaries = await dashboard.instance_summaries(conn, [i["id"] for i in items])
+    now = datetime.now(UTC)
+    for item in items:
+        summary = summaries.get(item["id"])
+        item["failing_step"] = summary["failing_step"] if summary else None
+        item["last_activity"] = summary["last_activity"] if summary else None
+        item["took"] = ""
+        if summary and summary["first_start"] is not None:
+            end = None if summary["running"] else summary["last_end"] or summary["first_start"]
+            item["took"] = took(summary["first_start"], end, now) + (" so far" if not end else "")
     next_query = None
     if last is not None:
         params = {
@@ -360,8 +397,10 @@ async def instances_page(request: Request) -> Response:
     )
 
 
-@router.get("/ui/instances/{instance_key}")
-async def instance_page(request: Request, instance_key: str) -> Response:
+async def _instance(
+    request: Request, instance_key: str
+) -> tuple[dict[str, Any], list[dict[str, Any]], bool] | HTMLResponse:
+    """An instance with its first `MAX_STEPS` steps and whether it has more, or the 404 page."""
     if not NAME_RE.fullmatch(instance_key):
         return not_found(request, "No instance has that key.")
     async with read_connection(request) as conn:
@@ -371,7 +410,15 @@ async def instance_page(request: Request, instance_key: str) -> Response:
         except domain.InstanceNotFound:
             return not_found(request, f"No instance has the key {instance_key!r}.")
         records, more = await dashboard.instance_steps(conn, instance["id"], limit=MAX_STEPS)
-    now = datetime.now(UTC)
+    return instance, records, more
+
+
+@router.get("/ui/instances/{instance_key}")
+async def instance_page(request: Request, instance_key: str) -> Response:
+    found = await _instance(request, instance_key)
+    if isinstance(found, HTMLResponse):
+        return found
+    instance, records, more = found
     return render(
         request,
         "instance.html",
@@ -380,8 +427,26 @@ async def instance_page(request: Request, instance_key: str) -> Response:
         records=records,
         more=more,
         max_steps=MAX_STEPS,
-        timeline=timeline(instance_key, records, now),
+        timeline=timeline(instance_key, records, datetime.now(UTC)),
         stream=f"/v1/instances/{quote(instance_key, safe='')}/stream",
+        parts=path("instances", instance_key, "parts"),
+    )
+
+
+@router.get("/ui/instances/{instance_key}/parts")
+async def instance_parts(request: Request, instance_key: str) -> Response:
+    """The parts of the instance page that change with its steps (counts, timeline, steps
+    table), as the page renders them: its script swaps them in when the stream says a step
+    changed, so rows added live are drawn by the same code as the rest."""
+    found = await _instance(request, instance_key)
+    if isinstance(found, HTMLResponse):
+        return found
+    instance, records, _ = found
+    return render(
+        request,
+        "parts.html",
+        instance=instance,
+        timeline=timeline(instance_key, records, datetime.now(UTC)),
     )
 
 
@@ -425,16 +490,145 @@ async def _across(request: Request, *, failed: bool) -> list[dict[str, Any]]:
     return page.items
 
 
+@dataclass(frozen=True, slots=True)
+class Spark:
+    """Failures per hour as a small SVG: one bar an hour, oldest first."""
+
+    bars: list[tuple[float, float, float, str]]  # x, y, height, its words
+    width: int
+    height: int
+    total: int
+    peak: int
+    label: str
+
+
+SPARK_HOUR, SPARK_HEIGHT = 8, 36
+
+
+def sparkline(hours: list[tuple[datetime, int]]) -> Spark:
+    peak = max((count for _, count in hours), default=0)
+    bars = []
+    for index, (hour, count) in enumerate(hours):
+        height = 0.0 if count == 0 else max(count / peak * SPARK_HEIGHT, 2.0)
+        words = f"{hour.astimezone(UTC):%H}:00 UTC: {count} failed"
+        bars.append((index * SPARK_HOUR + 1.0, SPARK_HEIGHT - height, height, words))
+    total = sum(count for _, count in hours)
+    label = f"Failed attempts per hour, last 24 hours: {total} in all"
+    if peak:
+        busiest = max(hours, key=lambda item: item[1])[0].astimezone(UTC)
+        label += f", at most {peak} an hour (from {busiest:%H}:00 UTC)"
+    return Spark(bars, len(hours) * SPARK_HOUR, SPARK_HEIGHT, total, peak, label)
+
+
 @router.get("/ui/failing")
 async def failing_page(request: Request) -> Response:
-    items = await _across(request, failed=True)
-    return render(request, "across.html", title="Failing now", view="failing", items=items)
+    step = (request.query_params.get("step") or "").strip() or None
+    if step is not None and not NAME_RE.fullmatch(step):
+        return not_found(request, "No step has that name.")
+    now = datetime.now(UTC)
+    prefix = tenancy.prefix_of(request.scope)
+    async with read_connection(request) as conn:
+        hours = await stats.failures_per_hour(
+            conn, since=now - timedelta(hours=24), until=now, prefix=prefix
+        )
+        if step is not None:
+            items = await dashboard.failed_of_step(conn, step, prefix=prefix, limit=LIST_SIZE)
+    if step is None:
+        items = await _across(request, failed=True)
+    return render(
+        request,
+        "across.html",
+        title="Failing now",
+        view="failing",
+        items=items,
+        step=step,
+        spark=sparkline(hours),
+    )
 
 
 @router.get("/ui/stuck")
 async def stuck_page(request: Request) -> Response:
+    """Running steps whose lease expired, then running steps without a lease that have run
+    longer than STEPRECORD_LONG_RUNNING_AFTER (the sweeper never fails those)."""
     items = await _across(request, failed=False)
-    return render(request, "across.html", title="Stuck", view="stuck", items=items)
+    after: timedelta = request.app.state.long_running_after
+    async with read_connection(request) as conn:
+        unleased = await running.list_long_running(
+            conn,
+            older_than=after.total_seconds(),
+            prefix=tenancy.prefix_of(request.scope),
+            no_lease=True,
+            after=None,
+            limit=LIST_SIZE,
+        )
+    return render(
+        request,
+        "across.html",
+        title="Stuck",
+        view="stuck",
+        items=items,
+        unleased=unleased.items,
+        long_running_after=duration(after.total_seconds()),
+    )
+
+
+WINDOWS = {"1h": timedelta(hours=1), "24h": timedelta(hours=24), "7d": timedelta(days=7)}
+
+
+@router.get("/ui/stats")
+async def stats_page(request: Request) -> Response:
+    """Per step name over a window: attempts, failure rate, and a bar of its p95 duration,
+    from the function behind `GET /v1/stats/steps`, within the token's prefix as it is."""
+    window = request.query_params.get("window") or "24h"
+    prefix = (request.query_params.get("prefix") or "").strip() or None
+    errors = []
+    if window not in WINDOWS:
+        errors.append("The window is 1h, 24h or 7d.")
+        window = "24h"
+    if prefix is not None and not PREFIX_RE.fullmatch(prefix):
+        errors.append(
+            "A key prefix is 1 to 200 characters of letters, digits and . _ : - (as keys are)."
+        )
+    until = datetime.now(UTC)
+    since = until - WINDOWS[window]
+    items: list[dict[str, Any]] = []
+    reachable, within = tenancy.narrow(tenancy.prefix_of(request.scope), prefix)
+    if reachable and not errors:
+        async with read_connection(request) as conn:
+            items = await stats.step_stats(
+                conn, since=since, until=until, prefix=within, limit=STATS_SIZE
+            )
+    slowest = max((i["duration_ms"]["p95"] or 0.0 for i in items), default=0.0)
+    rows = [
+        {
+            **item,
+            "total": sum(item["attempts"].values()),
+            "p95": _ms_words(item["duration_ms"]["p95"]),
+            "p50": _ms_words(item["duration_ms"]["p50"]),
+            "max": _ms_words(item["duration_ms"]["max"]),
+            "bar": 0.0 if not slowest else (item["duration_ms"]["p95"] or 0.0) / slowest * 100,
+            "rate": "" if item["failure_rate"] is None else f"{item['failure_rate']:.1%}",
+            "failing": "/ui/failing?step=" + quote(item["name"], safe=""),
+        }
+        for item in items
+    ]
+    return render(
+        request,
+        "stats.html",
+        422 if errors else 200,
+        title="Statistics",
+        rows=rows,
+        window=window,
+        windows=list(WINDOWS),
+        prefix=prefix or "",
+        errors=errors,
+        since=since,
+        until=until,
+    )
+
+
+def _ms_words(value: float | None) -> str:
+    return "" if value is None else duration(value / 1000)
 
 
 # --- signing in ------------------------------------------------------------------------

@@ -609,6 +609,20 @@ CHROMIUM_ARGS = [
 ]
 
 
+SCREENSHOTS = ROOT / "tests" / "screenshots"
+ARTIFACTS = ROOT / "tests" / "artifacts"
+
+
+def screenshot(page: Any, name: str, *, full_page: bool = True) -> Path:
+    """A browser test's screenshot: into tests/artifacts/ (ignored by git), or, with
+    STEPRECORD_SCREENSHOTS=1, into tests/screenshots/, the committed pictures of the dashboard."""
+    folder = SCREENSHOTS if os.environ.get("STEPRECORD_SCREENSHOTS") == "1" else ARTIFACTS
+    folder.mkdir(exist_ok=True)
+    target = folder / f"{name}.png"
+    page.screenshot(path=str(target), full_page=full_page)
+    return target
+
+
 @contextmanager
 def chromium_browser() -> Iterator[Browser]:
     """Debian's chromium driven by Playwright (never a downloaded browser), closed on exit;

@@ -4,9 +4,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 
 from app.cursors import long_running_cursor
+from app.data import stats as stats_data
 from tests.helpers import T0, metric, metrics, post, problem
 
 STATS = "/v1/stats/steps"
@@ -233,3 +235,31 @@ def test_a_batch_event_with_a_far_future_timestamp_is_refused(client: httpx.Clie
     assert bad["problem"]["code"] == "validation_error"
     assert "24 hours ahead of the server's clock" in bad["problem"]["detail"], bad
     assert client.get("/v1/instances/order-1/steps/b").status_code == 404
+
+
+@pytest.mark.parametrize(
+    "slug",
+    [
+        "charge",
+        "shop.tasks.charge:5f0c7d6e-2b1a-4c3d-9e8f-0a1b2c3d4e5f",
+        "shop.tasks.charge:5F0C7D6E-2B1A-4C3D-9E8F-0A1B2C3D4E5F",
+        "a:5f0c7d6e-2b1a-4c3d-9e8f-0a1b2c3d4e5f:5f0c7d6e-2b1a-4c3d-9e8f-0a1b2c3d4e5f",
+        "a:5f0c7d6e-2b1a-4c3d-9e8f-0a1b2c3d4e5g",
+        "a-5f0c7d6e-2b1a-4c3d-9e8f-0a1b2c3d4e5f",
+        "5f0c7d6e-2b1a-4c3d-9e8f-0a1b2c3d4e5f",
+        "a:5f0c7d6e-2b1a-4c3d-9e8f:0a1b2c3d4e5f",
+        "a:5f0c7d6e-2b1a-4c3d-9e8f-0a1b2c3d4e5f0",
+        "a:5f0c7d6e-2b1a-4c3d-9e8f-0a1b2c3d4e5",
+        "x",
+    ],
+)
+def test_the_step_name_without_a_regular_expression_is_the_regular_expressions(
+    db: psycopg.Connection[tuple[object, ...]], slug: str
+) -> None:
+    row = db.execute(
+        f"SELECT {stats_data.NAME_OF.format(s='%(slug)s::text')},"
+        f" regexp_replace(%(slug)s, '{stats_data.CELERY_TASK_ID}', '')",
+        {"slug": slug},
+    ).fetchone()
+    assert row is not None
+    assert row[0] == row[1]

@@ -1,22 +1,30 @@
-"""The dashboard's own reads: an instance's steps with every attempt, for the timeline (its
-list of instances is the API's, `reads.list_instances`)."""
+"""The dashboard's own reads: an instance's steps with every attempt, for the timeline, and
+the failed records of one step name, for Failing now (its other lists are the API's)."""
 
 from typing import Any
 
+from app.data.common import RECORD
+from app.data.reads import IN_PREFIX, prefix_params
+from app.data.stats import CELERY_TASK_ID
 from app.db import AsyncConn
 
-# Everything the instance page shows of its steps, without outputs and messages (the step
-# page shows those): one statement for the records, one for every attempt of the instance.
-INSTANCE_STEPS = """
+# An error message's first line (the step page shows it whole), cut to 300 characters.
+ERROR_LINE = "left(split_part({m}, E'\\n', 1), 300) AS error_line"
+
+# Everything the instance page shows of its steps, without outputs and with only the first
+# line of an error message (the step page shows both whole): one statement for the records,
+# one for every attempt of the instance.
+INSTANCE_STEPS = f"""
 SELECT r.id, r.step_slug, r.ordinal, r.status, r.attempt_count, r.started_at, r.completed_at,
-       r.error_code, r.lease_expires_at, r.updated_at
+       r.error_code, {ERROR_LINE.format(m="r.error_message")}, r.lease_expires_at, r.updated_at
 FROM workflow_step_record r
 WHERE r.instance_id = %(instance_id)s
 ORDER BY r.ordinal
 LIMIT %(limit)s
 """
-INSTANCE_ATTEMPTS = """
-SELECT a.record_id, a.attempt, a.status, a.started_at, a.completed_at, a.error_code
+INSTANCE_ATTEMPTS = f"""
+SELECT a.record_id, a.attempt, a.status, a.started_at, a.completed_at, a.error_code,
+       {ERROR_LINE.format(m="a.error_message")}
 FROM workflow_step_record r
 JOIN workflow_step_attempt a ON a.record_id = r.id
 WHERE r.instance_id = %(instance_id)s AND r.ordinal <= %(last_ordinal)s
@@ -48,3 +56,62 @@ async def instance_steps(
         if owner is not None:
             owner["attempts"].append(attempt)
     return records, more
+
+
+def failed_of_step_query(*, prefix: bool) -> str:
+    """Failed records of one step name (a slug, or a Celery task name: its slugs are the name,
+    a colon and a task id), newest `updated_at` first: a backward scan of the failed records
+    by `(status, updated_at, id)` that stops at `limit` matches."""
+    within = (
+        f" AND r.instance_id IN (SELECT p.id FROM process_instance p WHERE {IN_PREFIX})"
+        if prefix
+        else ""
+    )
+    return f"""
+SELECT (SELECT p.instance_key FROM process_instance p WHERE p.id = r.instance_id)
+           AS instance_key, {RECORD.format(r="r")}
+FROM workflow_step_record r
+WHERE r.status = 'failed'
+  AND (r.step_slug = %(name)s
+       OR (r.step_slug LIKE %(celery_like)s AND r.step_slug ~ '{CELERY_TASK_ID}')){within}
+ORDER BY r.updated_at DESC, r.id DESC
+LIMIT %(limit)s
+"""
+
+
+async def failed_of_step(
+    conn: AsyncConn, name: str, *, prefix: str | None, limit: int
+) -> list[dict[str, Any]]:
+    """The failed records of step `name` as `/v1/stats/steps` names steps (see
+    `failed_of_step_query`), only of instances whose key starts with `prefix` when given."""
+    escaped = name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    params: dict[str, Any] = {"name": name, "celery_like": escaped + ":%", "limit": limit}
+    if prefix:
+        params |= prefix_params(prefix)
+    cur = await conn.execute(failed_of_step_query(prefix=bool(prefix)), params)
+    return await cur.fetchall()
+
+
+# For the instances a list page shows (at most a page of them): when each last changed, its
+# first start and last end, whether a step runs, and its first failed step by ordinal. One
+# statement reading those instances' records by `instance_id`, never the whole table.
+INSTANCE_SUMMARIES = """
+SELECT r.instance_id,
+       max(r.updated_at) AS last_activity,
+       min(r.started_at) AS first_start,
+       max(r.completed_at) AS last_end,
+       bool_or(r.status = 'running') AS running,
+       (array_agg(r.step_slug ORDER BY r.ordinal) FILTER (WHERE r.status = 'failed'))[1]
+           AS failing_step
+FROM workflow_step_record r
+WHERE r.instance_id = ANY(%(ids)s)
+GROUP BY r.instance_id
+"""
+
+
+async def instance_summaries(conn: AsyncConn, ids: list[int]) -> dict[int, dict[str, Any]]:
+    """Per instance id (see `INSTANCE_SUMMARIES`); an instance without records is absent."""
+    if not ids:
+        return {}
+    cur = await conn.execute(INSTANCE_SUMMARIES, {"ids": ids})
+    return {row.pop("instance_id"): row for row in await cur.fetchall()}
