@@ -233,8 +233,11 @@ def test_a_row_added_live_is_drawn_as_the_server_draws_it_celery_slug_included(
 
 
 def test_a_running_bar_grows_to_now_on_the_servers_scale(page: Page, client: httpx.Client) -> None:
-    started = (datetime.now(UTC) - timedelta(seconds=2)).isoformat()
-    step(client, "busy-1", "done", started, (datetime.now(UTC) - timedelta(seconds=1)).isoformat())
+    # Running for 100 s: the scale leaves 5 s of room past now, so the bar grows by about 1 %
+    # of the width a second for several seconds before the server draws a new scale (a
+    # shorter run reaches the scale's end at once and is drawn again every second).
+    started = (datetime.now(UTC) - timedelta(seconds=100)).isoformat()
+    step(client, "busy-1", "done", started, (datetime.now(UTC) - timedelta(seconds=99)).isoformat())
     assert post(client, "start", {"started_at": started}, "busy-1", "work").is_success
     page.goto("/ui/instances/busy-1")
     bar = page.locator('g.lane[data-step="work"] rect.bar.running')
