@@ -18,6 +18,7 @@ Outcome = Literal[
     "not_started",
     "not_running",
     "ordinal_taken",
+    "instance_key_collision",
 ]
 Order = Literal["ordinal", "started_at"]
 

@@ -48,6 +48,7 @@ TITLES = {
     "stale_attempt": "Attempt superseded by a newer one",
     "not_running": "Attempt not running",
     "ordinal_taken": "Ordinal already taken",
+    "instance_key_collision": "Instance key collides with another key",
     "instance_active": "Instance has running steps",
     "instance_not_found": "Instance not found",
     "step_not_found": "Step not found",

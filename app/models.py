@@ -7,8 +7,10 @@ checks first, are in `app.limits`.
 """
 
 from datetime import datetime
+from pathlib import Path
 
 from sqlalchemy import (
+    DDL,
     BigInteger,
     Boolean,
     CheckConstraint,
@@ -21,8 +23,10 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     MetaData,
+    PrimaryKeyConstraint,
     Text,
     UniqueConstraint,
+    event,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
@@ -97,6 +101,8 @@ class ProcessInstance(SQLModel, table=True):
     __tablename__ = "process_instance"
     __table_args__ = (
         UniqueConstraint("instance_key"),
+        # The id is its key's (app/sql/instance_id.sql): two keys never share an instance.
+        CheckConstraint("id = steprecord_instance_id(instance_key)", name="id_derived"),
         CheckConstraint(f"instance_key ~ '{NAME_PATTERN}'", name="instance_key_format"),
         CheckConstraint("next_ordinal >= 0", name="next_ordinal_nonnegative"),
         Index(None, "created_at", "id"),
@@ -107,9 +113,8 @@ class ProcessInstance(SQLModel, table=True):
         ),
     )
 
-    id: int | None = Field(
-        default=None, sa_column=Column(BigInteger, Identity(always=True), primary_key=True)
-    )
+    # steprecord_instance_id(instance_key), given by whoever inserts the row.
+    id: int = Field(sa_column=Column(BigInteger, primary_key=True, autoincrement=False))
     instance_key: str = Field(sa_column=Column(Text, nullable=False))
     # The next server-assigned ordinal; its row lock serialises the creation of new steps.
     next_ordinal: int = Field(
@@ -121,9 +126,10 @@ class ProcessInstance(SQLModel, table=True):
 class WorkflowStepRecord(SQLModel, table=True):
     __tablename__ = "workflow_step_record"
     __table_args__ = (
+        # Every key includes the instance (the distribution column on Citus).
+        PrimaryKeyConstraint("instance_id", "id"),
         UniqueConstraint("instance_id", "step_slug"),
         UniqueConstraint("instance_id", "ordinal"),
-        UniqueConstraint("instance_id", "id"),
         Index(None, "instance_id", "started_at", "id"),
         Index(None, "status", "updated_at", "id"),
         Index(None, "instance_id", "changed_xid", "id"),
@@ -180,7 +186,7 @@ class WorkflowStepRecord(SQLModel, table=True):
     )
 
     id: int | None = Field(
-        default=None, sa_column=Column(BigInteger, Identity(always=True), primary_key=True)
+        default=None, sa_column=Column(BigInteger, Identity(always=True), nullable=False)
     )
     instance_id: int = Field(
         sa_column=Column(BigInteger, ForeignKey("process_instance.id"), nullable=False)
@@ -228,7 +234,8 @@ class WorkflowStepAttempt(SQLModel, table=True):
             ["workflow_step_record.instance_id", "workflow_step_record.id"],
             ondelete="CASCADE",
         ),
-        UniqueConstraint("record_id", "attempt"),
+        PrimaryKeyConstraint("instance_id", "id"),
+        UniqueConstraint("instance_id", "record_id", "attempt"),
         # The statistics' window (GET /v1/stats/steps), read from the index alone.
         Index(
             None,
@@ -263,7 +270,7 @@ class WorkflowStepAttempt(SQLModel, table=True):
     )
 
     id: int | None = Field(
-        default=None, sa_column=Column(BigInteger, Identity(always=True), primary_key=True)
+        default=None, sa_column=Column(BigInteger, Identity(always=True), nullable=False)
     )
     instance_id: int = Field(sa_column=Column(BigInteger, nullable=False))
     record_id: int = Field(sa_column=Column(BigInteger, nullable=False))
@@ -339,3 +346,13 @@ class AccessPolicy(SQLModel, table=True):
         default=False, sa_column=Column(Boolean, nullable=False, server_default=text("false"))
     )
     updated_at: datetime = Field(sa_column=_now())
+
+
+# The function the CHECK ck_process_instance_id_derived calls, made before the table it
+# checks (the migrations install it from the same source).
+INSTANCE_ID_SQL = (Path(__file__).resolve().parent / "sql" / "instance_id.sql").read_text()
+event.listen(
+    ProcessInstance.__table__,  # type: ignore[attr-defined]
+    "before_create",
+    DDL(INSTANCE_ID_SQL),  # type: ignore[no-untyped-call]
+)

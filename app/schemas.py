@@ -139,7 +139,10 @@ def event_responses() -> dict[int | str, dict[str, Any]]:
         200: {"model": Record, "description": "Applied to, or replayed on, an existing record"},
         201: {"model": Record, "description": "Created the record"},
         400: _problem("Body is not JSON"),
-        409: _problem("conflict, stale_attempt, not_started, not_running or ordinal_taken"),
+        409: _problem(
+            "conflict, stale_attempt, not_started, not_running, ordinal_taken"
+            " or instance_key_collision"
+        ),
         413: _problem("Output or body too large"),
         422: _problem("Invalid request"),
         503: _problem("Database unavailable"),

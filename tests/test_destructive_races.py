@@ -24,7 +24,8 @@ from tests.helpers import ROOT, T1, T2, age, exists, lock_waits, post, wait_for
 
 # The judge's function for one event (app/sql/apply_event.sql): the fields in its order.
 CREATE_STEP = (
-    "SELECT outcome FROM steprecord_apply_event(0, %(instance)s, %(step)s, %(kind)s, NULL,"
+    "SELECT outcome FROM steprecord_apply_event(steprecord_instance_id(%(instance)s), 0,"
+    " %(instance)s, %(step)s, %(kind)s, NULL,"
     " NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)"
 )
 

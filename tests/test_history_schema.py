@@ -20,7 +20,8 @@ GUARD = "tr_workflow_step_attempt_guard"
 @pytest.fixture
 def instance_id(db: Conn) -> int:
     row = db.execute(
-        "INSERT INTO process_instance (instance_key) VALUES ('run-1') RETURNING id"
+        "INSERT INTO process_instance (id, instance_key)"
+        " VALUES (steprecord_instance_id('run-1'), 'run-1') RETURNING id"
     ).fetchone()
     assert row is not None
     return int(row[0])
@@ -195,7 +196,10 @@ def test_forbidden_attempts_are_refused_by_their_named_constraint(
 
 
 def test_an_attempt_belongs_to_a_record_of_its_own_instance(db: Conn, unguarded: int) -> None:
-    other = db.execute("INSERT INTO process_instance (instance_key) VALUES ('run-2') RETURNING id")
+    other = db.execute(
+        "INSERT INTO process_instance (id, instance_key)"
+        " VALUES (steprecord_instance_id('run-2'), 'run-2') RETURNING id"
+    )
     row = other.fetchone()
     assert row is not None
     with pytest.raises(psycopg.errors.IntegrityError) as caught, db.transaction():
@@ -209,7 +213,10 @@ def test_an_attempt_belongs_to_a_record_of_its_own_instance(db: Conn, unguarded:
     )
     with pytest.raises(psycopg.errors.IntegrityError) as caught, db.transaction():
         _insert_attempt(db, unguarded, {**VALID_ATTEMPT["running"], "attempt": 1})
-    assert caught.value.diag.constraint_name == "uq_workflow_step_attempt_record_id_attempt"
+    assert (
+        caught.value.diag.constraint_name
+        == "uq_workflow_step_attempt_instance_id_record_id_attempt"
+    )
 
 
 @pytest.mark.parametrize("status", ["pending", "completed", "failed"])
@@ -270,8 +277,8 @@ def test_the_backfill_gives_every_started_record_its_current_attempt(
 def wide_table(db: Conn) -> Conn:
     """10^5 records of every status over 100 instances (rolled back after the test)."""
     db.execute(
-        "INSERT INTO process_instance (instance_key) SELECT 'run-' || i"
-        " FROM generate_series(1, 100) i"
+        "INSERT INTO process_instance (id, instance_key)"
+        " SELECT steprecord_instance_id('run-' || i), 'run-' || i FROM generate_series(1, 100) i"
     )
     db.execute("""
         INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attempt_count,
@@ -282,8 +289,9 @@ def wide_table(db: Conn) -> Conn:
                CASE WHEN x.status = 'failed' THEN 'E' END,
                CASE WHEN x.status = 'running' AND s % 3 = 0
                     THEN timestamptz '2026-01-01' + s * interval '1 s' END,
-               timestamptz '2026-01-01' + (s * 7 % 1000 + p.id) * interval '1 s'
+               timestamptz '2026-01-01' + (s * 7 % 1000 + n) * interval '1 s'
         FROM process_instance p, generate_series(0, 999) s,
+             LATERAL (SELECT split_part(p.instance_key, '-', 2)::int AS n) k,
              LATERAL (SELECT (ARRAY['pending', 'running', 'completed', 'failed'])[1 + s % 4]
                       AS status) x
     """)
@@ -329,7 +337,8 @@ def test_each_filter_across_instances_reads_its_index_without_sorting(wide_table
 # --- late reports of superseded attempts -----------------------------------------------------
 
 LATE_FAIL = (
-    "SELECT recorded FROM steprecord_apply_event(0, 'run-1', %s, 'fail', %s, NULL, %s, NULL,"
+    "SELECT recorded FROM steprecord_apply_event(steprecord_instance_id('run-1'), 0, 'run-1',"
+    " %s, 'fail', %s, NULL, %s, NULL,"
     " NULL, 'Late', NULL, NULL, NULL)"
 )
 

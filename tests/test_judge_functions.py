@@ -13,7 +13,10 @@ from app.data.judge import PARAMS
 
 Conn = psycopg.Connection[tuple[object, ...]]
 
-ONE = "SELECT * FROM steprecord_apply_event(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+ONE = (
+    "SELECT * FROM (SELECT %s::int AS i, %s::text AS k) x, steprecord_apply_event("
+    "steprecord_instance_id(x.k), x.i, x.k, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+)
 SET = (
     "SELECT * FROM steprecord_apply_events(%s::int[], %s::text[], %s::text[], %s::text[],"
     " %s::bigint[], %s::timestamptz[], %s::timestamptz[], %s::text[], %s::text[], %s::text[],"

@@ -70,7 +70,10 @@ def test_0019_refuses_undelimited_prefixes_naming_the_tokens_until_they_are_resc
 
 # --- downgrades that would widen access or drop data ---------------------------------------
 
-INSTANCE = "INSERT INTO process_instance (instance_key) VALUES ('run-1')"
+INSTANCE = (
+    "INSERT INTO process_instance (id, instance_key)"
+    " VALUES (steprecord_instance_id('run-1'), 'run-1')"
+)
 RUNNING_STEP = """
 INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attempt_count,
                                   started_at)

@@ -233,7 +233,8 @@ def test_a_page_from_the_page_function_renders_byte_for_byte_as_the_rows_query(
     U+2028, non-BMP characters, long integers in outputs, times with and without
     microseconds, in the first page and the position of its last record."""
     row = db.execute(
-        "INSERT INTO process_instance (instance_key) VALUES ('tricky-1') RETURNING id"
+        "INSERT INTO process_instance (id, instance_key)"
+        " VALUES (steprecord_instance_id('tricky-1'), 'tricky-1') RETURNING id"
     ).fetchone()
     assert row is not None
     for ordinal, fields in enumerate(TRICKY_RECORDS * 2):

@@ -369,7 +369,10 @@ def test_a_busy_replica_pool_sends_the_read_to_the_primary_and_stays_in_use() ->
         locker.execute("LOCK TABLE workflow_step_attempt IN ACCESS EXCLUSIVE MODE")
         # A commit flushes the WAL, the lock's record with it, to the replica.
         with psycopg.connect(replicated.primary.url, autocommit=True) as other:
-            other.execute("INSERT INTO process_instance (instance_key) VALUES ('flush')")
+            other.execute(
+                "INSERT INTO process_instance (id, instance_key)"
+                " VALUES (steprecord_instance_id('flush'), 'flush')"
+            )
         eventually(
             lambda: (
                 standby.execute(

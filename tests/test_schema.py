@@ -53,7 +53,8 @@ BASE: dict[str, dict[str, Any]] = {
 @pytest.fixture
 def instance_id(db: Conn) -> int:
     row = db.execute(
-        "INSERT INTO process_instance (instance_key) VALUES ('run-1') RETURNING id"
+        "INSERT INTO process_instance (id, instance_key)"
+        " VALUES (steprecord_instance_id('run-1'), 'run-1') RETURNING id"
     ).fetchone()
     assert row is not None
     return int(row[0])
@@ -179,12 +180,22 @@ def test_unique_keys_and_owner_are_enforced(db: Conn, instance_id: int) -> None:
     refused(
         db,
         "ck_process_instance_instance_key_format",
-        "INSERT INTO process_instance (instance_key) VALUES ('no/slash')",
+        "INSERT INTO process_instance (id, instance_key)"
+        " VALUES (steprecord_instance_id('no/slash'), 'no/slash')",
+    )
+    # A key's id is its own: the same key again is the same id, and another key cannot
+    # take an id that is not its own (so two keys never share an instance's rows).
+    refused(
+        db,
+        "pk_process_instance",
+        "INSERT INTO process_instance (id, instance_key)"
+        " VALUES (steprecord_instance_id('run-1'), 'run-1')",
     )
     refused(
         db,
-        "uq_process_instance_instance_key",
-        "INSERT INTO process_instance (instance_key) VALUES ('run-1')",
+        "ck_process_instance_id_derived",
+        "INSERT INTO process_instance (id, instance_key)"
+        " VALUES (steprecord_instance_id('run-1'), 'run-2')",
     )
 
 
@@ -235,7 +246,10 @@ def test_attempt_count_never_decreases(db: Conn, instance_id: int) -> None:
 
 
 def test_owner_never_changes(db: Conn, instance_id: int) -> None:
-    other = db.execute("INSERT INTO process_instance (instance_key) VALUES ('run-2') RETURNING id")
+    other = db.execute(
+        "INSERT INTO process_instance (id, instance_key)"
+        " VALUES (steprecord_instance_id('run-2'), 'run-2') RETURNING id"
+    )
     other_id = other.fetchone()
     assert other_id is not None
     record_id = insert(db, instance_id)
@@ -370,6 +384,7 @@ def test_migrations_upgrade_downgrade_and_upgrade_again(scratch_database: str) -
         "steprecord_apply_event",
         "steprecord_apply_events",
         "steprecord_heartbeat",
+        "steprecord_instance_id",
         "steprecord_list_page",
     }
     config = alembic_config()
@@ -393,8 +408,8 @@ def test_migrations_upgrade_downgrade_and_upgrade_again(scratch_database: str) -
 def big_table(db: Conn) -> Conn:
     """10^5 records over 100 instances of 1,000 steps (rolled back after the test)."""
     db.execute("""
-        INSERT INTO process_instance (instance_key)
-        SELECT 'run-' || i FROM generate_series(1, 100) i
+        INSERT INTO process_instance (id, instance_key)
+        SELECT steprecord_instance_id('run-' || i), 'run-' || i FROM generate_series(1, 100) i
     """)
     db.execute("""
         INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attempt_count,
@@ -451,8 +466,9 @@ def test_the_page_function_reads_its_index_and_sorts_nothing(
 
 def test_list_instances_reads_the_time_index_without_sorting(db: Conn) -> None:
     db.execute("""
-        INSERT INTO process_instance (instance_key, created_at)
-        SELECT 'run-' || i, timestamptz '2026-01-01' + i * interval '1 s'
+        INSERT INTO process_instance (id, instance_key, created_at)
+        SELECT steprecord_instance_id('run-' || i), 'run-' || i,
+               timestamptz '2026-01-01' + i * interval '1 s'
         FROM generate_series(1, 100000) i
     """)
     db.execute("ANALYZE process_instance")

@@ -382,7 +382,9 @@ Conn = psycopg.Connection[tuple[Any, ...]]
 
 def new_instance(conn: Conn, key: str) -> int:
     row = conn.execute(
-        "INSERT INTO process_instance (instance_key) VALUES (%s) RETURNING id", (key,)
+        "INSERT INTO process_instance (id, instance_key)"
+        " SELECT steprecord_instance_id(k), k FROM (VALUES (%s)) AS v(k) RETURNING id",
+        (key,),
     ).fetchone()
     assert row is not None
     return int(row[0])

@@ -323,10 +323,10 @@ def test_a_dashboard_session_holds_on_every_worker_until_its_token_is_revoked(
 def two_tenants(db: psycopg.Connection[tuple[object, ...]]) -> Any:
     """10^4 instances of 5 steps, 1% of them acme's (rolled back after the test)."""
     db.execute("""
-        INSERT INTO process_instance (instance_key, created_at)
-        SELECT CASE WHEN i % 100 = 0 THEN 'acme-' ELSE 'globex-' END || i,
-               timestamptz '2026-01-01' + i * interval '1 s'
-        FROM generate_series(1, 10000) i
+        INSERT INTO process_instance (id, instance_key, created_at)
+        SELECT steprecord_instance_id(k), k, timestamptz '2026-01-01' + i * interval '1 s'
+        FROM generate_series(1, 10000) i,
+             LATERAL (SELECT CASE WHEN i % 100 = 0 THEN 'acme-' ELSE 'globex-' END || i AS k) x
     """)
     db.execute("""
         INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attempt_count,
@@ -337,8 +337,9 @@ def two_tenants(db: psycopg.Connection[tuple[object, ...]]) -> Any:
                CASE WHEN x.status IN ('completed', 'failed') THEN timestamptz '2026-01-02' END,
                CASE WHEN x.status = 'failed' THEN 'E' END,
                CASE WHEN x.status = 'running' THEN timestamptz '2026-01-03' END,
-               timestamptz '2026-01-01' + (p.id * 5 + s) * interval '1 s'
+               timestamptz '2026-01-01' + (n * 5 + s) * interval '1 s'
         FROM process_instance p, generate_series(0, 4) s,
+             LATERAL (SELECT split_part(p.instance_key, '-', 2)::int AS n) k,
              LATERAL (SELECT (ARRAY['pending', 'running', 'completed', 'failed'])[1 + s % 4]
                       AS status) x
     """)

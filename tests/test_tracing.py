@@ -354,7 +354,8 @@ def test_a_trace_url_must_hold_the_trace_id_and_the_id_is_escaped_into_it(
 # --- the database ----------------------------------------------------------------------------
 
 APPLY = (
-    "SELECT outcome FROM steprecord_apply_event(0, %s, %s, 'start', 1, NULL, NULL, NULL, NULL,"
+    "SELECT outcome FROM (SELECT %s::text AS k) x, steprecord_apply_event("
+    "steprecord_instance_id(x.k), 0, x.k, %s, 'start', 1, NULL, NULL, NULL, NULL,"
     " NULL, NULL, NULL, NULL, %s)"
 )
 TRACES_OF = """
@@ -412,7 +413,11 @@ def test_the_check_refuses_every_malformed_trace_id(own_database: str) -> None:
             conn.execute("SELECT set_config('steprecord.trace_id', %s, true)", (trace_id,))
             conn.execute(BY_HAND, (slug, ordinal, instance))
 
-        conn.execute("INSERT INTO process_instance (instance_key) VALUES (%s)", (instance,))
+        conn.execute(
+            "INSERT INTO process_instance (id, instance_key)"
+            " SELECT steprecord_instance_id(k), k FROM (VALUES (%s)) AS v(k)",
+            (instance,),
+        )
         started("valid", 0, valid)
         assert dict(conn.execute(TRACES_OF, (instance,)).fetchall()) == {"valid": valid}
         for ordinal, value in enumerate(forbidden, start=1):
@@ -433,6 +438,11 @@ COLUMN = """
 SELECT column_default FROM information_schema.columns
 WHERE table_name = 'workflow_step_attempt' AND column_name = 'trace_id'
 """
+# The one-event function as revisions 0016 to 0019 declared it (0020 puts the instance's id first).
+CALL_0016 = (
+    "SELECT outcome FROM steprecord_apply_event(0, %s, %s, 'start', 1, NULL, NULL, NULL, NULL,"
+    " NULL, NULL, NULL, NULL, %s)"
+)
 OLD_CALL = (
     "SELECT outcome FROM steprecord_apply_event(0, %s, %s, 'start', 1, NULL, NULL, NULL, NULL,"
     " NULL, NULL, NULL, NULL)"
@@ -452,7 +462,7 @@ def test_migration_0016_adds_the_trace_id_and_its_downgrade_restores_0015(
     trace_id, _ = ids()
     with psycopg.connect(scratch_database, autocommit=True) as conn:
         assert dict(conn.execute(TRACES_OF, ("old",)).fetchall()) == {"step": None}
-        assert conn.execute(APPLY, ("new", "step", trace_id)).fetchone() == ("created",)
+        assert conn.execute(CALL_0016, ("new", "step", trace_id)).fetchone() == ("created",)
         assert conn.execute(OLD_CALL, ("new", "other")).fetchone() == ("created",)
         assert dict(conn.execute(TRACES_OF, ("new",)).fetchall()) == {
             "step": trace_id,

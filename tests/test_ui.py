@@ -484,10 +484,10 @@ def test_the_cookie_is_not_secure_on_the_word_of_an_untrusted_proxy(server_dsn: 
 def many_instances(db: psycopg.Connection[tuple[object, ...]]) -> Any:
     """10^4 instances of 3 steps, a few with failed or running steps (rolled back)."""
     db.execute("""
-        INSERT INTO process_instance (instance_key, created_at)
-        SELECT CASE WHEN i % 100 = 0 THEN 'job-' ELSE 'run-' END || i,
-               timestamptz '2026-01-01' + i * interval '1 s'
-        FROM generate_series(1, 10000) i
+        INSERT INTO process_instance (id, instance_key, created_at)
+        SELECT steprecord_instance_id(k), k, timestamptz '2026-01-01' + i * interval '1 s'
+        FROM generate_series(1, 10000) i,
+             LATERAL (SELECT CASE WHEN i % 100 = 0 THEN 'job-' ELSE 'run-' END || i AS k) x
     """)
     db.execute("""
         INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attempt_count,
@@ -497,8 +497,9 @@ def many_instances(db: psycopg.Connection[tuple[object, ...]]) -> Any:
                CASE WHEN x.status IN ('completed', 'failed') THEN timestamptz '2026-01-02' END,
                CASE WHEN x.status = 'failed' THEN 'E' END
         FROM process_instance p, generate_series(0, 2) s,
-             LATERAL (SELECT CASE WHEN p.id % 500 = 0 AND s = 2 THEN 'failed'
-                                  WHEN p.id % 300 = 0 AND s = 2 THEN 'running'
+             LATERAL (SELECT split_part(p.instance_key, '-', 2)::int AS n) k,
+             LATERAL (SELECT CASE WHEN n % 500 = 0 AND s = 2 THEN 'failed'
+                                  WHEN n % 300 = 0 AND s = 2 THEN 'running'
                                   ELSE 'completed' END AS status) x
     """)
     db.execute("ANALYZE process_instance")

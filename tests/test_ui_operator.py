@@ -81,8 +81,9 @@ def test_stuck_shows_a_running_step_without_a_lease_past_the_threshold_as_no_lea
 def many_records(db: psycopg.Connection[tuple[object, ...]]) -> Any:
     """10^4 instances of 3 steps (rolled back)."""
     db.execute("""
-        INSERT INTO process_instance (instance_key, created_at)
-        SELECT 'run-' || i, timestamptz '2026-01-01' + i * interval '1 s'
+        INSERT INTO process_instance (id, instance_key, created_at)
+        SELECT steprecord_instance_id('run-' || i), 'run-' || i,
+               timestamptz '2026-01-01' + i * interval '1 s'
         FROM generate_series(1, 10000) i
     """)
     db.execute("""

@@ -37,10 +37,12 @@ APPLY_EVENTS = (
 # One event (not a heartbeat) with scalars for arrays (app/sql/apply_event.sql): the same
 # answer, by the same rules (app/sql/judge_rules.sql): the record judged and, only when the
 # event applies, updated; a new record or a late report goes through the general statement.
+# Its first argument is the instance's id, derived from the key in the statement itself
+# (app/sql/instance_id.sql): on Citus the coordinator sends the call to the worker holding it.
 APPLY_EVENT = (
-    "SELECT * FROM steprecord_apply_event($1::int, $2::text, $3::text, $4::text, $5::bigint,"
-    " $6::timestamptz, $7::timestamptz, $8::text, $9::text, $10::text, $11::text, $12::bigint,"
-    " $13::int, $14::text)"
+    "SELECT * FROM steprecord_apply_event(steprecord_instance_id($2::text), $1::int, $2::text,"
+    " $3::text, $4::text, $5::bigint, $6::timestamptz, $7::timestamptz, $8::text, $9::text,"
+    " $10::text, $11::text, $12::bigint, $13::int, $14::text)"
 )
 
 # An event with no row in the answer lost a race with a concurrent creator of its instance (the
@@ -49,9 +51,12 @@ APPLY_EVENT = (
 # cases the next try sees the new row. A deadlock between two batches is retried the same way.
 MAX_TRIES = 5
 # A collision on the step's unique key, or a record whose instance was deleted meanwhile
-# (`DELETE /v1/instances/...`): the next try creates the record, or a new instance.
+# (`DELETE /v1/instances/...`): the next try creates the record, or a new instance. Two
+# creators of one new instance: the second waits on the first's id, but may meet its key
+# first; the next try finds the instance.
 RACE_KEYS = frozenset(
     {
+        "uq_process_instance_instance_key",
         "uq_workflow_step_record_instance_id_step_slug",
         "fk_workflow_step_record_instance_id_process_instance",
     }

@@ -17,6 +17,11 @@ REFUSALS = {
     "not_started": (409, "the step has no start to complete or fail"),
     "ordinal_taken": (409, "no ordinal is left for a new step of this instance"),
     "not_running": (409, "that attempt is not running: it finished, or has not started"),
+    "instance_key_collision": (
+        409,
+        "this instance key's id (the first 8 bytes of its SHA-256) is already another key's"
+        " instance, and two keys never share rows: use another instance key",
+    ),
 }
 
 

@@ -2,9 +2,14 @@
 -- /complete, /fail), on the judge's own rules (judge_rules.sql) and, for everything but
 -- the most common write, on steprecord_apply_events itself (apply_events.sql).
 --
--- Arguments: the fields of steprecord_apply_events as scalars, in the same order and with
--- the same names (p_i, p_instance_key, ... p_lease_seconds), then p_trace_id (default NULL):
--- the request's trace id, which the attempt this event starts keeps.
+-- Arguments: p_instance_id, the instance's id (steprecord_instance_id(p_instance_key): the
+-- service's statement computes it so), then the fields of steprecord_apply_events as
+-- scalars, in the same order and with the same names (p_i, p_instance_key, ...
+-- p_lease_seconds), then p_trace_id (default NULL): the request's trace id, which the
+-- attempt this event starts keeps. On Citus p_instance_id is the function's distribution
+-- argument: the coordinator sends the whole call to the worker that holds the instance.
+-- An id that is not its key's finds no record, and the general statement (4) judges the
+-- event by its key alone.
 --
 -- Answer: the row a one-element call of steprecord_apply_events answers. The general
 -- statement holds every step any event may need, and its plan costs more to run than one
@@ -22,7 +27,7 @@
 -- steprecord.trace_id = '', restored when the call returns, and set first (as in
 -- apply_events.sql): the attempt an update of 3 starts keeps this call's trace id.
 CREATE OR REPLACE FUNCTION steprecord_apply_event(
-    p_i int, p_instance_key text, p_step_slug text, p_kind text, p_attempt bigint,
+    p_instance_id bigint, p_i int, p_instance_key text, p_step_slug text, p_kind text, p_attempt bigint,
     p_started_at timestamptz, p_completed_at timestamptz, p_output text,
     p_external_output_url text, p_error_code text, p_error_message text, p_ordinal bigint,
     p_lease_seconds int, p_trace_id text DEFAULT NULL
@@ -39,6 +44,8 @@ SET steprecord.trace_id = ''
 AS $fn$
 #variable_conflict use_column
 DECLARE
+    -- The call's clock reading, a value: Citus runs only IMMUTABLE functions inside a write
+    -- of a distributed table, so the statements below never call a clock.
     v_now timestamptz := clock_timestamp();
     judged record;
 BEGIN
@@ -62,7 +69,7 @@ BEGIN
     INTO judged
     FROM process_instance p
     JOIN workflow_step_record r ON r.instance_id = p.id AND r.step_slug = p_step_slug
-    WHERE p.instance_key = p_instance_key
+    WHERE p.id = p_instance_id AND p.instance_key = p_instance_key
     FOR UPDATE OF r;
 
     IF NOT FOUND OR (judged.outcome = 'stale_attempt' AND p_kind IN ('complete', 'fail')) THEN
@@ -88,7 +95,7 @@ BEGIN
                 error_message = p_error_message,
                 lease_expires_at = judge_lease_expires_at(v_now, p_lease_seconds),
                 updated_at = v_now
-            WHERE r.id = judged.id
+            WHERE r.instance_id = p_instance_id AND r.id = judged.id
             RETURNING r.*
         )
         SELECT p_i, 'applied'::text, false,

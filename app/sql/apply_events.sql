@@ -27,6 +27,8 @@
 --                  true as well when the entry already holds this very report (a duplicate).
 --                  A terminal entry never changes.
 --   not_started    a complete/fail with no start to complete: nothing written;
+--   instance_key_collision  the instance's id (steprecord_instance_id of its key) belongs to
+--                  the instance of another key: nothing written, never merged;
 --   ordinal_taken  no server-assigned ordinal is left (past 2147483647): nothing written.
 -- An event with no answer row lost a race with a concurrent creator of its instance (this
 -- statement's snapshot cannot see the new instance row): the caller calls again with it,
@@ -63,6 +65,11 @@ SET steprecord.writer = 'judge'
 SET steprecord.trace_id = ''
 AS $fn$
 #variable_conflict use_column
+DECLARE
+    -- One clock reading per call, a value (clock_timestamp, not now(): a retried call in the
+    -- same transaction reads anew). The statement below uses it, never a clock call: Citus
+    -- runs only IMMUTABLE functions inside a write of a distributed table.
+    v_now timestamptz := clock_timestamp();
 BEGIN
     -- The trace id of this call, set first and always (an empty string for none), so that a
     -- value never carries over from an earlier call of the same transaction. The history's
@@ -73,17 +80,16 @@ BEGIN
     PERFORM set_config('steprecord.trace_id', coalesce(p_trace_id, ''), true);
 
     RETURN QUERY
-    -- e: the events, with what every later step needs of them. One clock reading per call
-    -- (clock_timestamp, not now(): a retried call in the same transaction reads anew).
-    -- Only a declare, a start, or a complete/fail that brings its own started_at may create
+    -- e: the events, with what every later step needs of them: the instance's id, derived
+    -- from its key (instance_id.sql), and the call's clock reading. Only a declare, a start, or a complete/fail that brings its own started_at may create
     -- a record: a record never exists without its start time.
     WITH e AS MATERIALIZED (
-        SELECT x.i, x.instance_key, x.step_slug, x.kind, x.attempt, x.started_at,
+        SELECT x.i, x.instance_key, steprecord_instance_id(x.instance_key) AS instance_id,
+               x.step_slug, x.kind, x.attempt, x.started_at,
                x.completed_at, x.output::jsonb AS output, x.url, x.error_code,
                x.error_message, x.ordinal,
-               judge_lease_expires_at(clock_timestamp(), x.lease_seconds)
-                   AS lease_expires_at,
-               clock_timestamp() AS now,
+               judge_lease_expires_at(v_now, x.lease_seconds) AS lease_expires_at,
+               v_now AS now,
                judge_event_status(x.kind) AS target,
                (x.kind IN ('declare', 'start') OR x.started_at IS NOT NULL) AS can_create
         FROM unnest(
@@ -93,10 +99,20 @@ BEGIN
         ) AS x(i, instance_key, step_slug, kind, attempt, started_at, completed_at, output, url,
                error_code, error_message, ordinal, lease_seconds)
     ),
-    -- known: the instances that exist already (as this statement's snapshot sees them).
-    known AS (
+    -- held: the instances that hold the events' ids (as this statement's snapshot sees
+    -- them); known: those of the events' own keys. An id held by another key's instance is
+    -- a collision: its events are answered so, and write nothing.
+    held AS (
         SELECT p.id, p.instance_key FROM process_instance p
-        WHERE p.instance_key IN (SELECT instance_key FROM e)
+        WHERE p.id IN (SELECT instance_id FROM e)
+    ),
+    known AS (
+        SELECT held.id, held.instance_key FROM held
+        WHERE held.instance_key IN (SELECT instance_key FROM e)
+    ),
+    collided AS (
+        SELECT e.i FROM e JOIN held ON held.id = e.instance_id
+        WHERE held.instance_key <> e.instance_key
     ),
     -- cur: the existing records, locked in id order, so two calls that lock the same
     -- records wait for each other instead of deadlocking. Every decision below is made on
@@ -112,7 +128,7 @@ BEGIN
     -- the values an update writes: the event's attempt and start time (so `upd` reads `dec`
     -- alone, one lookup per record, whatever the call's size).
     dec AS (
-        SELECT cur.i, cur.id, e.target, e.kind, e.completed_at, e.now, e.output, e.url,
+        SELECT cur.i, cur.instance_id, cur.id, e.target, e.kind, e.completed_at, e.now, e.output, e.url,
                e.error_code, e.error_message, e.lease_expires_at,
                judge_event_attempt(e.kind, e.attempt, cur.attempt_count, cur.status)
                    AS attempt,
@@ -144,7 +160,7 @@ BEGIN
             lease_expires_at = d.lease_expires_at,
             updated_at = d.now
         FROM dec d
-        WHERE r.id = d.id AND d.outcome = 'applied'
+        WHERE r.instance_id = d.instance_id AND r.id = d.id AND d.outcome = 'applied'
         RETURNING d.i, r.*
     ),
     -- late: the complete/fail reports of an attempt older than the record's (stale), with
@@ -159,7 +175,9 @@ BEGIN
                h.error_code AS entry_error_code, h.error_message AS entry_error_message,
                t.completed_at, COALESCE(e.started_at, h.started_at, t.completed_at) AS started_at
         FROM dec d JOIN cur ON cur.i = d.i JOIN e ON e.i = d.i
-        LEFT JOIN workflow_step_attempt h ON h.record_id = cur.id AND h.attempt = d.attempt,
+        LEFT JOIN workflow_step_attempt h
+            ON h.instance_id = cur.instance_id AND h.record_id = cur.id
+           AND h.attempt = d.attempt,
             LATERAL (SELECT judge_event_completed_at(
                 e.kind, e.completed_at, e.now, COALESCE(e.started_at, h.started_at)
             ) AS completed_at) t
@@ -178,7 +196,8 @@ BEGIN
         FROM late l
         WHERE (l.entry_status IS NULL OR l.entry_status = 'superseded')
           AND l.started_at <= l.completed_at
-        ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_record_id_attempt DO UPDATE SET
+        ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_instance_id_record_id_attempt
+        DO UPDATE SET
             status = EXCLUDED.status,
             started_at = EXCLUDED.started_at,
             completed_at = EXCLUDED.completed_at,
@@ -203,11 +222,12 @@ BEGIN
     -- fresh: the events that create a record. s counts, per instance and in event order,
     -- the new steps whose ordinal the server assigns.
     fresh AS (
-        SELECT e.i, e.instance_key, e.ordinal,
+        SELECT e.i, e.instance_key, e.instance_id, e.ordinal,
                count(*) FILTER (WHERE e.ordinal IS NULL)
                    OVER (PARTITION BY e.instance_key ORDER BY e.i) AS s
         FROM e
         WHERE e.can_create AND NOT EXISTS (SELECT 1 FROM cur WHERE cur.i = e.i)
+          AND NOT EXISTS (SELECT 1 FROM collided c WHERE c.i = e.i)
     ),
     -- spans: server-assigned ordinals follow event order, as if the events were applied one
     -- by one. With s the running count of server-assigned steps and a the running max of
@@ -225,14 +245,15 @@ BEGIN
     -- (taken in id order: no deadlock between two calls); base is the instance's counter.
     locked AS (
         SELECT p.id, p.instance_key, p.next_ordinal AS base FROM process_instance p
-        WHERE p.instance_key IN (SELECT instance_key FROM spans)
+        WHERE p.id IN (SELECT instance_id FROM spans)
+          AND p.instance_key IN (SELECT instance_key FROM spans)
         ORDER BY p.id
         FOR UPDATE
     ),
     -- assigned: each new record's ordinal (the client's, or the next one the server has),
     -- and each instance's counter after the call.
     assigned AS (
-        SELECT sp.i, sp.instance_key, l.id AS locked_id,
+        SELECT sp.i, sp.instance_key, sp.instance_id, l.id AS locked_id,
                COALESCE(sp.ordinal, sp.s + GREATEST(COALESCE(l.base, 0), sp.a) - 1) AS ordinal,
                sp.s_total + GREATEST(COALESCE(l.base, 0), sp.a_total) AS next_ordinal
         FROM spans sp LEFT JOIN locked l ON l.instance_key = sp.instance_key
@@ -245,17 +266,18 @@ BEGIN
         WHERE p.id = x.locked_id
         RETURNING p.id
     ),
-    -- new_instance: create the instances that do not exist, in key order, so two calls
-    -- that create the same instances take their keys in the same order and one waits for
-    -- the other instead of deadlocking. One created concurrently is skipped here (its
-    -- events get no answer row and are called again).
+    -- new_instance: create the instances that do not exist, with the ids of their keys, in
+    -- id order, so two calls that create the same instances take their ids in the same order
+    -- and one waits for the other instead of deadlocking. One created concurrently (its id
+    -- taken meanwhile) is skipped here: its events get no answer row and are called again,
+    -- and the next call finds the instance, or answers the collision.
     new_instance AS (
-        INSERT INTO process_instance (instance_key, next_ordinal)
-        SELECT a.instance_key, max(a.next_ordinal) FROM assigned a
+        INSERT INTO process_instance (id, instance_key, next_ordinal)
+        SELECT a.instance_id, a.instance_key, max(a.next_ordinal) FROM assigned a
         WHERE NOT EXISTS (SELECT 1 FROM known WHERE known.instance_key = a.instance_key)
-        GROUP BY a.instance_key
-        ORDER BY a.instance_key
-        ON CONFLICT ON CONSTRAINT uq_process_instance_instance_key DO NOTHING
+        GROUP BY a.instance_id, a.instance_key
+        ORDER BY a.instance_id
+        ON CONFLICT ON CONSTRAINT pk_process_instance DO NOTHING
         RETURNING id, instance_key
     ),
     inst AS (
@@ -315,9 +337,14 @@ BEGIN
            NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
     FROM e
     WHERE NOT e.can_create AND NOT EXISTS (SELECT 1 FROM cur WHERE cur.i = e.i)
+      AND NOT EXISTS (SELECT 1 FROM collided c WHERE c.i = e.i)
     UNION ALL
     SELECT a.i, 'ordinal_taken', false,
            NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-    FROM assigned a WHERE a.ordinal > 2147483647;
+    FROM assigned a WHERE a.ordinal > 2147483647
+    UNION ALL
+    SELECT c.i, 'instance_key_collision', false,
+           NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+    FROM collided c;
 END
 $fn$;

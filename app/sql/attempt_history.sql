@@ -25,7 +25,8 @@ BEGIN
            n.error_message, n.lease_expires_at, n.updated_at, n.updated_at
     FROM new_rows n
     WHERE n.status <> 'pending'
-    ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_record_id_attempt DO UPDATE SET
+    ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_instance_id_record_id_attempt
+    DO UPDATE SET
         status = EXCLUDED.status,
         started_at = EXCLUDED.started_at,
         completed_at = EXCLUDED.completed_at,
@@ -60,7 +61,8 @@ BEGIN
         updated_at = n.updated_at
     FROM old_rows o JOIN new_rows n ON n.id = o.id
     WHERE o.status = 'running' AND n.attempt_count > o.attempt_count
-      AND a.record_id = o.id AND a.attempt = o.attempt_count AND a.status = 'running';
+      AND a.instance_id = o.instance_id AND a.record_id = o.id
+      AND a.attempt = o.attempt_count AND a.status = 'running';
 
     INSERT INTO workflow_step_attempt AS a (
         instance_id, record_id, attempt, status, started_at, completed_at, output,
@@ -71,7 +73,8 @@ BEGIN
            n.error_message, n.lease_expires_at, n.updated_at, n.updated_at
     FROM new_rows n
     WHERE n.status <> 'pending'
-    ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_record_id_attempt DO UPDATE SET
+    ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_instance_id_record_id_attempt
+    DO UPDATE SET
         status = EXCLUDED.status,
         started_at = EXCLUDED.started_at,
         completed_at = EXCLUDED.completed_at,
@@ -132,7 +135,8 @@ BEGIN
         ELSIF TG_OP = 'UPDATE' AND OLD.status <> 'superseded' THEN
             why := 'a late report ends only a superseded attempt; a finished one never changes';
         ELSIF NOT EXISTS (SELECT 1 FROM workflow_step_record r
-                          WHERE r.id = NEW.record_id AND r.attempt_count > NEW.attempt) THEN
+                          WHERE r.instance_id = NEW.instance_id AND r.id = NEW.record_id
+                            AND r.attempt_count > NEW.attempt) THEN
             why := 'a late report is of an attempt older than its record''s';
         END IF;
     ELSIF pg_trigger_depth() < 2 THEN

@@ -29,23 +29,26 @@ LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 AS $fn$
 #variable_conflict use_column
+DECLARE
+    -- The call's clock reading, a value (no clock call inside a write: see apply_events.sql).
+    v_now timestamptz := clock_timestamp();
 BEGIN
     RETURN QUERY
     WITH e AS MATERIALIZED (
-        SELECT x.*, clock_timestamp() AS now
+        SELECT x.*, steprecord_instance_id(x.instance_key) AS instance_id, v_now AS now
         FROM unnest(p_i, p_instance_key, p_step_slug, p_attempt, p_lease_seconds)
             AS x(i, instance_key, step_slug, attempt, lease_seconds)
     ),
     -- The records, locked in id order (no deadlock between two calls).
     cur AS (
         SELECT e.i, r.* FROM e
-        JOIN process_instance p ON p.instance_key = e.instance_key
+        JOIN process_instance p ON p.id = e.instance_id AND p.instance_key = e.instance_key
         JOIN workflow_step_record r ON r.instance_id = p.id AND r.step_slug = e.step_slug
         ORDER BY r.id
         FOR UPDATE OF r
     ),
     dec AS (
-        SELECT cur.i, cur.id,
+        SELECT cur.i, cur.instance_id, cur.id,
             CASE WHEN e.attempt < cur.attempt_count THEN 'stale_attempt'
                  WHEN cur.status = 'pending' THEN 'not_started'
                  WHEN e.attempt > cur.attempt_count OR cur.status <> 'running' THEN 'not_running'
@@ -59,7 +62,7 @@ BEGIN
             lease_expires_at = judge_lease_expires_at(e.now, e.lease_seconds),
             updated_at = e.now
         FROM dec d JOIN e ON e.i = d.i
-        WHERE r.id = d.id AND d.outcome = 'applied'
+        WHERE r.instance_id = d.instance_id AND r.id = d.id AND d.outcome = 'applied'
         RETURNING d.i, r.*
     )
     SELECT upd.i, 'applied' AS outcome,

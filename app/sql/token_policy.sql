@@ -3,12 +3,14 @@
 -- Whenever a token is inserted (by `steprecord token create` or by hand), access_policy's
 -- one row says tokens_required, so revoking the last token closes the service instead of
 -- opening it. It upserts, so a policy row deleted by hand comes back. Only `steprecord
--- token allow-anonymous` sets it back to false, an explicit choice.
+-- token allow-anonymous` sets it back to false, an explicit choice. The time is a value of
+-- the row inserted (EXCLUDED), not a clock call in the update: Citus runs only IMMUTABLE
+-- functions there, access_policy being a reference table on Citus.
 CREATE OR REPLACE FUNCTION api_token_require_tokens() RETURNS trigger
 LANGUAGE plpgsql AS $fn$
 BEGIN
-    INSERT INTO access_policy (tokens_required) VALUES (true)
-    ON CONFLICT (id) DO UPDATE SET tokens_required = true, updated_at = now()
+    INSERT INTO access_policy (tokens_required, updated_at) VALUES (true, now())
+    ON CONFLICT (id) DO UPDATE SET tokens_required = true, updated_at = EXCLUDED.updated_at
     WHERE NOT access_policy.tokens_required;
     RETURN NULL;
 END

@@ -4,8 +4,8 @@
 -- when many runs progress at once. Statuses: the last 5 percent of each instance's steps pending
 -- (never started), every 17th running, every 23rd failed, the rest completed with a small
 -- inline output. started_at is a permutation of the ordinals, so the two orders differ.
-INSERT INTO process_instance (instance_key, next_ordinal)
-SELECT 'r' || i, (ARRAY[100, 300, 700, 900])[mod(i, 4) + 1]
+INSERT INTO process_instance (id, instance_key, next_ordinal)
+SELECT steprecord_instance_id('r' || i), 'r' || i, (ARRAY[100, 300, 700, 900])[mod(i, 4) + 1]
 FROM generate_series(1, %(instances)s) i;
 
 INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attempt_count,

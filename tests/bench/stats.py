@@ -70,8 +70,9 @@ def database() -> Iterator[str]:
 
 LOAD = """
 SET session_replication_role = replica;
-INSERT INTO process_instance (instance_key, created_at)
-SELECT 'bench-' || i, %(now)s - %(spread)s * (i::float8 / %(instances)s)
+INSERT INTO process_instance (id, instance_key, created_at)
+SELECT steprecord_instance_id('bench-' || i), 'bench-' || i,
+       %(now)s - %(spread)s * (i::float8 / %(instances)s)
 FROM generate_series(1, %(instances)s) i;
 INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attempt_count,
                                   started_at, completed_at, error_code, changed_xid)
@@ -82,7 +83,7 @@ SELECT p.id,
        p.created_at + s * interval '1 minute' + interval '30 seconds', NULL,
        pg_current_xact_id()
 FROM process_instance p, generate_series(0, 4) s,
-     LATERAL (SELECT (p.id * 7 + s * 3) % 20 AS n) x;
+     LATERAL (SELECT (split_part(p.instance_key, '-', 2)::int * 7 + s * 3) % 20 AS n) x;
 INSERT INTO workflow_step_attempt (instance_id, record_id, attempt, status, started_at,
                                    completed_at, error_code)
 SELECT r.instance_id, r.id, a,
