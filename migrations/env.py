@@ -8,6 +8,7 @@ from sqlalchemy import Connection
 from app.config import Settings
 from app.data.revision import MIGRATION_LOCK
 from app.db import sync_engine
+from app.distribution import distribute
 from app.main import COMPATIBLE_AHEAD
 from app.models import metadata
 
@@ -27,6 +28,9 @@ def upgrade_on(connection: Connection) -> None:
             )
             return
         context.run_migrations()
+        # On Citus, distribute what is not distributed yet (app/distribution.py); nothing
+        # on one node. In the same transaction, under the same lock.
+        distribute(connection)
 
 
 def run_migrations_online() -> None:

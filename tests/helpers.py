@@ -329,7 +329,7 @@ def create_database(server_dsn: str, name: str) -> str:
                 psycopg.conninfo.make_conninfo(dsn, dbname=name), autocommit=True
             ) as conn:
                 conn.execute("CREATE EXTENSION citus")
-        _add_citus_nodes(url, workers)
+        add_citus_nodes(url, workers)
     return url
 
 
@@ -352,7 +352,7 @@ def citus_workers(server_dsn: str) -> list[str]:
     return [psycopg.conninfo.make_conninfo(server_dsn, host=host, port=port) for host, port in rows]
 
 
-def _add_citus_nodes(coordinator_url: str, workers: list[str]) -> None:
+def add_citus_nodes(coordinator_url: str, workers: list[str]) -> None:
     info = psycopg.conninfo.conninfo_to_dict(coordinator_url)
     with psycopg.connect(coordinator_url, autocommit=True) as conn:
         conn.execute("CREATE EXTENSION IF NOT EXISTS citus")
@@ -421,7 +421,7 @@ def citus_cluster(root: Path, bin_path: Path, workers: int = 2) -> Iterator[Citu
         for node in nodes[1:]:
             with psycopg.connect(node.url, autocommit=True) as conn:
                 conn.execute("CREATE EXTENSION citus")
-        _add_citus_nodes(nodes[0].url, [node.url for node in nodes[1:]])
+        add_citus_nodes(nodes[0].url, [node.url for node in nodes[1:]])
         yield CitusCluster(nodes[0], nodes[1:])
     finally:
         for node in nodes:

@@ -1,10 +1,20 @@
 """On a Citus cluster: a coordinator and two workers of the tests' own (the `citus` fixture)."""
 
 import uuid
+from typing import Any
 
 import psycopg
+import pytest
 
-from tests.helpers import CitusCluster, create_database, drop_database, rows_on_worker
+from app.cli import migrate
+from app.data.judge import APPLY_EVENT
+from tests.helpers import (
+    CitusCluster,
+    add_citus_nodes,
+    create_database,
+    drop_database,
+    rows_on_worker,
+)
 
 
 def test_a_database_made_on_the_cluster_spreads_a_distributed_table_over_both_workers(
@@ -23,5 +33,174 @@ def test_a_database_made_on_the_cluster_spreads_a_distributed_table_over_both_wo
         ]
         assert sum(on_workers) == 200
         assert all(count > 0 for count in on_workers), on_workers
+    finally:
+        drop_database(citus.url, name)
+
+
+# --- distribution by `steprecord migrate` ----------------------------------------------------
+
+TABLES = """
+SELECT logicalrelid::text, partmethod, column_to_column_name(logicalrelid, partkey), colocationid
+FROM pg_dist_partition ORDER BY 1
+"""
+FUNCTION = """
+SELECT distribution_argument_index, colocationid FROM pg_dist_object
+WHERE objid = 'steprecord_apply_event'::regproc
+"""
+
+
+def worker_catalog(worker_url: str, query: str) -> set[tuple[Any, ...]]:
+    with psycopg.connect(worker_url, autocommit=True) as conn:
+        conn.execute("SET citus.override_table_visibility TO off")
+        return {tuple(row) for row in conn.execute(query).fetchall()}
+
+
+def on_node(node_url: str, database: str) -> str:
+    return psycopg.conninfo.make_conninfo(node_url, dbname=database)
+
+
+def test_migrate_distributes_the_fact_tables_by_instance_and_the_judge_with_them(
+    citus: CitusCluster,
+) -> None:
+    name = f"steprecord_citus_{uuid.uuid4().hex[:8]}"
+    url = create_database(citus.url, name)
+    try:
+        migrate(url)
+        migrate(url)  # again: already distributed, nothing to do
+        with psycopg.connect(url) as conn:
+            tables = conn.execute(TABLES).fetchall()
+            function = conn.execute(FUNCTION).fetchone()
+        by_name = {table: (method, column) for table, method, column, _ in tables}
+        assert by_name == {
+            "access_policy": ("n", None),
+            "api_token": ("n", None),
+            "process_instance": ("h", "id"),
+            "workflow_step_attempt": ("h", "instance_id"),
+            "workflow_step_record": ("h", "instance_id"),
+        }
+        colocation = {colocated for table, _, _, colocated in tables if by_name[table][0] == "h"}
+        assert len(colocation) == 1
+        # The one-event judge is delegated by its first argument, the instance's id.
+        assert function == (0, colocation.pop())
+        # Every shard on every worker carries the CHECKs and the guard triggers (as many
+        # instance shards as record shards: co-located).
+        for worker in citus.workers:
+            shards = worker_catalog(
+                on_node(worker.url, name),
+                "SELECT c.relname FROM pg_class c WHERE c.relkind = 'r'"
+                " AND c.relname ~ '^workflow_step_record_[0-9]+$'",
+            )
+            guarded = worker_catalog(
+                on_node(worker.url, name),
+                "SELECT c.relname FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid"
+                " WHERE t.tgname ~ '^tr_workflow_step_record_transition_[0-9]+$'",
+            )
+            checked = worker_catalog(
+                on_node(worker.url, name),
+                "SELECT count(*) FROM pg_constraint"
+                " WHERE conname = 'ck_process_instance_id_derived'"
+                " AND conrelid::regclass::text ~ '^process_instance_[0-9]+$'",
+            )
+            assert shards
+            assert guarded == shards
+            assert checked == {(len(shards),)}
+    finally:
+        drop_database(citus.url, name)
+
+
+# At one node: 40 instances, each with a completed step and a running one.
+WRITE_ROWS = """
+SELECT count(*) FROM steprecord_apply_events(
+    (SELECT array_agg(g) FROM generate_series(0, 79) g),
+    (SELECT array_agg('run-' || (g / 2)) FROM generate_series(0, 79) g),
+    (SELECT array_agg(CASE WHEN g % 2 = 0 THEN 'done' ELSE 'busy' END)
+     FROM generate_series(0, 79) g),
+    (SELECT array_fill('start'::text, ARRAY[80])),
+    (SELECT array_fill(1::bigint, ARRAY[80])),
+    NULL::timestamptz[], NULL::timestamptz[], NULL::text[], NULL::text[], NULL::text[],
+    NULL::text[], NULL::bigint[], NULL::int[])
+"""
+COMPLETE_DONE = """
+UPDATE workflow_step_record SET status = 'completed', completed_at = started_at,
+       output = '{"n": 1}'
+WHERE step_slug = 'done'
+"""
+SNAPSHOT = """
+SELECT p.id, p.instance_key, r.step_slug, r.status, r.attempt_count, r.output::text,
+       a.attempt, a.status
+FROM process_instance p
+JOIN workflow_step_record r ON r.instance_id = p.id
+JOIN workflow_step_attempt a ON a.instance_id = r.instance_id AND a.record_id = r.id
+ORDER BY 2, 3, 7
+"""
+
+
+def test_a_database_with_rows_that_gets_citus_is_distributed_by_the_next_migrate(
+    citus: CitusCluster,
+) -> None:
+    name = f"steprecord_citus_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(citus.url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = on_node(citus.url, name)
+    try:
+        migrate(url)  # one node: no extension yet
+        with psycopg.connect(url) as conn:
+            conn.execute(WRITE_ROWS)
+            conn.execute(COMPLETE_DONE)
+            before = conn.execute(SNAPSHOT).fetchall()
+        assert len(before) == 80
+        # The operator adds Citus as its guide says: the extension on every node, the
+        # workers added; then `steprecord migrate`.
+        for worker in citus.workers:
+            with psycopg.connect(worker.url, autocommit=True) as conn:
+                conn.execute(f'CREATE DATABASE "{name}"')
+            with psycopg.connect(on_node(worker.url, name), autocommit=True) as conn:
+                conn.execute("CREATE EXTENSION citus")
+        add_citus_nodes(url, [worker.url for worker in citus.workers])
+        migrate(url)
+        with psycopg.connect(url) as conn:
+            assert conn.execute(SNAPSHOT).fetchall() == before
+            assert len(conn.execute(TABLES).fetchall()) == 5
+        on_workers = [
+            rows_on_worker(on_node(worker.url, name), "workflow_step_record")
+            for worker in citus.workers
+        ]
+        assert sum(on_workers) == 80
+        assert all(on_workers), on_workers
+        # Raw SQL through the coordinator is refused as on one node: a completed record
+        # never changes within its attempt.
+        with psycopg.connect(url) as conn:
+            with pytest.raises(psycopg.errors.CheckViolation) as caught:
+                conn.execute(
+                    "UPDATE workflow_step_record SET output = '2'"
+                    " WHERE instance_id = steprecord_instance_id('run-7') AND step_slug = 'done'"
+                )
+            # The worker's refusal, its SQLSTATE and message (Citus does not forward the
+            # constraint's name to the coordinator's client).
+            assert "a finished attempt never changes" in str(caught.value)
+    finally:
+        drop_database(citus.url, name)
+
+
+def test_the_coordinator_delegates_the_one_event_judge_to_the_worker_holding_the_instance(
+    citus: CitusCluster,
+) -> None:
+    """The service's own statement (app/data/judge.py) with its parameters, on a connection in
+    autocommit as the service's are: the plan is one task on one worker, the whole function
+    call sent there. (Inside an explicit transaction block Citus 13 does not delegate.)"""
+    name = f"steprecord_citus_{uuid.uuid4().hex[:8]}"
+    url = create_database(citus.url, name)
+    try:
+        migrate(url)
+        params = [0, "run-1", "a", "declare", *([None] * 10)]
+        with (
+            psycopg.connect(url, autocommit=True) as conn,
+            psycopg.RawCursor(conn) as cur,
+        ):
+            cur.execute(f"EXPLAIN (VERBOSE) {APPLY_EVENT}", params)
+            plan = "\n".join(str(row[0]) for row in cur.fetchall())
+        assert "Custom Scan (Citus Adaptive)" in plan
+        assert "Task Count: 1" in plan
+        assert "Function Call: steprecord_apply_event(" in plan
     finally:
         drop_database(citus.url, name)

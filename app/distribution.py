@@ -1,0 +1,118 @@
+"""Distribution on Citus: run by every `steprecord migrate` (and `serve`, which migrates) after
+the migrations, in the same transaction and under the same advisory lock.
+
+On a database without the `citus` extension it does nothing: one node migrates exactly as
+before. Where the operator has created the extension (on the coordinator and every worker,
+the workers added with `citus_add_node`), it distributes what is not distributed yet, so it
+is idempotent, and a database that held rows before the extension came is distributed by the
+next migrate (Citus copies the rows to the workers' shards; the tables are locked meanwhile,
+see docs/operations.md):
+
+1. `citus.enable_unsafe_triggers = on` for the database: Citus distributes a table with
+   triggers, and runs them on each shard, only so. The record's guard, the history's guard
+   and the changed-xid stamp are row triggers, which run on the shard beside the row. The
+   schema's functions are copied to every worker (those made before the extension came).
+2. `api_token` and `access_policy`: reference tables (a copy on every node).
+3. `process_instance` by `id`, then `workflow_step_record` and `workflow_step_attempt` by
+   `instance_id`, co-located with it: one instance's rows live together on one worker.
+   `uq_process_instance_instance_key` is dropped first (Citus keeps only unique keys that
+   include the distribution column); the primary key `id` and the CHECK
+   `ck_process_instance_id_derived` (id = steprecord_instance_id(instance_key)) hold it.
+4. `steprecord_apply_event` becomes a distributed function whose distribution argument is
+   `p_instance_id`, co-located with `process_instance`: the coordinator sends the whole call
+   to the worker that holds the instance.
+5. The judge's functions plan each statement with its values (`force_custom_plan`): Citus
+   routes a statement that joins distributed tables to one shard only when it sees the
+   distribution column's value, which a generic plan hides behind a parameter.
+"""
+
+from sqlalchemy import Connection
+
+# Citus's reference tables, and its distributed tables with their distribution column, in the
+# order they are distributed (a co-located table after the one it follows).
+REFERENCE_TABLES = ("api_token", "access_policy")
+DISTRIBUTED_TABLES = (
+    ("process_instance", "id"),
+    ("workflow_step_record", "instance_id"),
+    ("workflow_step_attempt", "instance_id"),
+)
+DISTRIBUTED_FUNCTION = (
+    "steprecord_apply_event(bigint, integer, text, text, text, bigint, timestamptz,"
+    " timestamptz, text, text, text, text, bigint, integer, text)"
+)
+CUSTOM_PLANS = (
+    DISTRIBUTED_FUNCTION,
+    "steprecord_apply_events",
+    "steprecord_heartbeat",
+    "steprecord_list_page",
+)
+
+HAS_CITUS = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"
+DISTRIBUTED = "SELECT 1 FROM pg_dist_partition WHERE logicalrelid = %s::regclass"
+FUNCTION_DISTRIBUTED = """
+SELECT 1 FROM pg_dist_object
+WHERE classid = 'pg_proc'::regclass AND objid = %s::regprocedure AND distribution_argument_index
+IS NOT NULL
+"""
+
+# The schema's functions that the workers do not have yet: those made before the extension
+# came (Citus copies a function made later to every node itself). The shards' triggers and
+# the delegated judge call them on the workers.
+LOCAL_FUNCTIONS = """
+SELECT p.oid::regprocedure::text FROM pg_proc p
+JOIN pg_namespace n ON n.oid = p.pronamespace
+WHERE n.nspname = 'public'
+  AND NOT EXISTS (SELECT 1 FROM pg_depend d
+                  WHERE d.classid = 'pg_proc'::regclass AND d.objid = p.oid AND d.deptype = 'e')
+  AND NOT EXISTS (SELECT 1 FROM pg_dist_object o
+                  WHERE o.classid = 'pg_proc'::regclass AND o.objid = p.oid)
+ORDER BY p.oid
+"""
+
+
+def has_citus(connection: Connection) -> bool:
+    return connection.exec_driver_sql(HAS_CITUS).first() is not None
+
+
+def distribute(connection: Connection) -> bool:
+    """Distribute the schema when the database has Citus; False (and nothing done) without."""
+    if not has_citus(connection):
+        return False
+    sql = connection.exec_driver_sql
+    database = sql("SELECT current_database()").scalar_one()
+    sql(f'ALTER DATABASE "{database}" SET citus.enable_unsafe_triggers = on')
+    sql("SET LOCAL citus.enable_unsafe_triggers = on")
+    # One connection per worker for the whole transaction: Citus distributes a function only
+    # so once the same transaction has written distributed tables (the rows copied below).
+    sql("SET LOCAL citus.multi_shard_modify_mode = 'sequential'")
+    for (function,) in sql(LOCAL_FUNCTIONS).all():
+        sql("SELECT create_distributed_function(%s)", (function,))
+    for table in REFERENCE_TABLES:
+        if sql(DISTRIBUTED, (table,)).first() is None:
+            sql("SELECT create_reference_table(%s)", (table,))
+    for table, column in DISTRIBUTED_TABLES:
+        if sql(DISTRIBUTED, (table,)).first() is not None:
+            continue
+        if table == "process_instance":
+            sql(
+                "ALTER TABLE process_instance"
+                " DROP CONSTRAINT IF EXISTS uq_process_instance_instance_key"
+            )
+        colocate = "default" if table == "process_instance" else "process_instance"
+        # The rows copied to the shards are no new writes: the triggers stay off meanwhile
+        # (the history's trigger would write the history again, before its table is there).
+        sql(f"ALTER TABLE {table} DISABLE TRIGGER USER")
+        sql(
+            "SELECT create_distributed_table(%s, %s, colocate_with => %s)",
+            (table, column, colocate),
+        )
+        sql(f"ALTER TABLE {table} ENABLE TRIGGER USER")
+    if sql(FUNCTION_DISTRIBUTED, (DISTRIBUTED_FUNCTION,)).first() is None:
+        sql(
+            "SELECT create_distributed_function(%s, 'p_instance_id',"
+            " colocate_with => 'process_instance')",
+            (DISTRIBUTED_FUNCTION,),
+        )
+    for function in CUSTOM_PLANS:
+        sql(f"ALTER FUNCTION {function} SET plan_cache_mode = force_custom_plan")
+    return True
