@@ -9,7 +9,7 @@ from app.db import AsyncConn
 # that committed first keeps its attempt alive.
 SWEEP = """
 WITH due AS (
-    SELECT r.id FROM workflow_step_record r
+    SELECT r.instance_id, r.id FROM workflow_step_record r
     WHERE r.status = 'running' AND r.lease_expires_at IS NOT NULL
       AND r.lease_expires_at < clock_timestamp()
     LIMIT %(limit)s
@@ -23,7 +23,7 @@ UPDATE workflow_step_record r SET
     lease_expires_at = NULL,
     updated_at = clock_timestamp()
 FROM due
-WHERE r.id = due.id
+WHERE r.instance_id = due.instance_id AND r.id = due.id
 RETURNING r.id
 """
 SWEEP_BATCH = 500

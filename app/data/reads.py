@@ -190,7 +190,8 @@ FROM process_instance p
 LEFT JOIN workflow_step_record r ON r.instance_id = p.id AND r.step_slug = %(step_slug)s
 LEFT JOIN LATERAL (
     SELECT {ATTEMPT} FROM workflow_step_attempt a
-    WHERE a.record_id = r.id AND a.attempt > %(after_attempt)s
+    WHERE a.instance_id = r.instance_id AND a.record_id = r.id
+      AND a.attempt > %(after_attempt)s
     ORDER BY a.attempt
     LIMIT %(limit)s
 ) a ON true
