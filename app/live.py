@@ -74,6 +74,7 @@ log = logging.getLogger("steprecord.live")
 CHECK_SECONDS = 10.0  # how often an idle listener proves its connection alive
 IDLE_SECONDS = 1.0  # how soon a listener notices that no stream is left, and lets go
 LISTENER_NAME = "steprecord live updates"  # its application_name
+NODES_NAME = "steprecord live updates: nodes"  # the session that reads a cluster's node list
 CONNECT_SECONDS = 5.0
 NODES_SECONDS = 30.0  # how often the listener reads a Citus cluster's worker list again
 MAX_BACKOFF_SECONDS = 5.0
@@ -210,13 +211,13 @@ class Hub:
 
 async def keep_listening(conninfo: str, hub: Hub, *, positions: bool = False) -> None:
     """LISTEN while this worker has a stream open, where the notifications come from: the
-    server of `conninfo`, or, on a Citus coordinator, each of its workers (the record's
-    triggers run on the worker holding the shard, and notify there), reached with the
-    credentials and database of `conninfo`. The node list is read again every
-    `NODES_SECONDS` while a stream is open; each node has a listener of its own, so a worker
-    that is down is retried without holding up the others. `positions` (a read replica is
-    configured, on one server): wake the streams with the primary's WAL position as their
-    target, read after the notifications arrived."""
+    server of `conninfo`, and, on a Citus coordinator, each of its workers too (the record's
+    triggers run on the node holding the shard, and notify there; the coordinator may hold
+    shards as well), reached with the credentials and database of `conninfo`. The node list
+    is read again every `NODES_SECONDS` while a stream is open; each node has a listener of
+    its own, so a worker that is down is retried without holding up the others. `positions`
+    (a read replica is configured, on one server): wake the streams with the primary's WAL
+    position as their target, read after the notifications arrived."""
     listeners: dict[str, asyncio.Task[None]] = {}
     failures = 0
     try:
@@ -245,15 +246,16 @@ async def keep_listening(conninfo: str, hub: Hub, *, positions: bool = False) ->
 
 
 async def _notifying_nodes(conninfo: str) -> list[str]:
-    """The servers whose notifications the streams need: `conninfo`'s, or a Citus cluster's
+    """The servers whose notifications the streams need: `conninfo`'s, and a Citus cluster's
     workers."""
     async with await psycopg.AsyncConnection.connect(
-        conninfo, autocommit=True, application_name=LISTENER_NAME
+        conninfo, autocommit=True, application_name=NODES_NAME
     ) as conn:
         workers = await stream.citus_workers(conn)
-    if workers is None:
-        return [conninfo]
-    return [psycopg.conninfo.make_conninfo(conninfo, host=h, port=p) for h, p in workers]
+    return [
+        conninfo,
+        *(psycopg.conninfo.make_conninfo(conninfo, host=h, port=p) for h, p in workers),
+    ]
 
 
 async def _listen(conninfo: str, hub: Hub, *, positions: bool) -> None:

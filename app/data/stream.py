@@ -93,7 +93,7 @@ async def stream_changes(
     return Changes(instance_id, records, position, since, False, behind or lagging, not lagging)
 
 
-# A Citus coordinator's workers (a server without Citus has no node list: None).
+# A Citus coordinator's workers (a server without Citus has no node list).
 HAS_CITUS = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"
 WORKERS = """
 SELECT nodename, nodeport FROM pg_dist_node
@@ -102,10 +102,10 @@ ORDER BY nodeid
 """
 
 
-async def citus_workers(conn: psycopg.AsyncConnection[Any]) -> list[tuple[str, int]] | None:
-    """The workers whose shards notify, on a Citus coordinator; None on a server without it."""
+async def citus_workers(conn: psycopg.AsyncConnection[Any]) -> list[tuple[str, int]]:
+    """The workers whose shards notify, on a Citus coordinator; none on a server without it."""
     if await (await conn.execute(HAS_CITUS)).fetchone() is None:
-        return None
+        return []
     return [(str(host), int(port)) for host, port in await (await conn.execute(WORKERS)).fetchall()]
 
 
