@@ -40,7 +40,7 @@ class Changes:
     instance_id: int
     records: list[dict[str, Any]]  # each with its `changed_xid` (an int)
     position: Position  # where the next read starts
-    since: Position  # where this read started: the position asked for, or (0, 0) (see above)
+    since: Position  # where it read from: the position asked for, or (0, 0) (another node's)
     more: bool  # a full page: read on at once
     behind: bool  # a change waits (for an older transaction, or for replay): read again shortly
     caught_up: bool  # the read saw every commit up to `target` (always, on the primary)
