@@ -20,7 +20,8 @@ see docs/operations.md):
    `ck_process_instance_id_derived` (id = steprecord_instance_id(instance_key)) hold it.
 4. `steprecord_apply_event` becomes a distributed function whose distribution argument is
    `p_instance_id`, co-located with `process_instance`: the coordinator sends the whole call
-   to the worker that holds the instance.
+   to the worker that holds the instance; so does `steprecord_stream_changes` (a stream's
+   read, whose snapshot and transaction ids must be that worker's).
 5. The judge's functions plan each statement with its values (`force_custom_plan`): Citus
    routes a statement that joins distributed tables to one shard only when it sees the
    distribution column's value, which a generic plan hides behind a parameter.
@@ -40,6 +41,8 @@ DISTRIBUTED_FUNCTION = (
     "steprecord_apply_event(bigint, integer, text, text, text, bigint, timestamptz,"
     " timestamptz, text, text, text, text, bigint, integer, text)"
 )
+# A stream's read, delegated the same way: its snapshot and transaction ids are the worker's.
+STREAM_FUNCTION = "steprecord_stream_changes(bigint, text, xid8, bigint, integer)"
 CUSTOM_PLANS = (
     DISTRIBUTED_FUNCTION,
     "steprecord_apply_events",
@@ -107,12 +110,13 @@ def distribute(connection: Connection) -> bool:
             (table, column, colocate),
         )
         sql(f"ALTER TABLE {table} ENABLE TRIGGER USER")
-    if sql(FUNCTION_DISTRIBUTED, (DISTRIBUTED_FUNCTION,)).first() is None:
-        sql(
-            "SELECT create_distributed_function(%s, 'p_instance_id',"
-            " colocate_with => 'process_instance')",
-            (DISTRIBUTED_FUNCTION,),
-        )
+    for function in (DISTRIBUTED_FUNCTION, STREAM_FUNCTION):
+        if sql(FUNCTION_DISTRIBUTED, (function,)).first() is None:
+            sql(
+                "SELECT create_distributed_function(%s, 'p_instance_id',"
+                " colocate_with => 'process_instance')",
+                (function,),
+            )
     for function in CUSTOM_PLANS:
         sql(f"ALTER FUNCTION {function} SET plan_cache_mode = force_custom_plan")
     return True

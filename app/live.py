@@ -74,7 +74,9 @@ log = logging.getLogger("steprecord.live")
 CHECK_SECONDS = 10.0  # how often an idle listener proves its connection alive
 IDLE_SECONDS = 1.0  # how soon a listener notices that no stream is left, and lets go
 LISTENER_NAME = "steprecord live updates"  # its application_name
+NODES_NAME = "steprecord live updates: nodes"  # the session that reads a cluster's node list
 CONNECT_SECONDS = 5.0
+NODES_SECONDS = 30.0  # how often the listener reads a Citus cluster's worker list again
 MAX_BACKOFF_SECONDS = 5.0
 # While a committed change waits behind an older transaction, a stream reads again after this
 # long, for a second (such waits are usually short: a transaction that just ended in another
@@ -128,7 +130,9 @@ class Hub:
         self._per_holder: dict[int | None, int] = {}  # open streams by token id (None: anonymous)
         self.closing = False
         self.wanted = asyncio.Event()  # set while a stream is open: the listener is needed
-        self.listening = asyncio.Event()  # set while the listener's LISTEN is in force
+        self.listening = asyncio.Event()  # set while LISTEN is in force on every node
+        self._nodes: set[str] = set()  # where the notifications come from
+        self._listening_on: set[str] = set()
 
     @contextlib.contextmanager
     def subscribe(self, instance_id: int) -> Iterator[Subscription]:
@@ -148,6 +152,26 @@ class Hub:
             if not self._streams:
                 self.wanted.clear()
             STREAMS_OPEN.dec()
+
+    def listen_on(self, nodes: set[str]) -> None:
+        """The nodes whose notifications the streams need (one server; a Citus cluster's
+        workers)."""
+        self._nodes = nodes
+        self._listening_changed()
+
+    def listener_up(self, node: str) -> None:
+        self._listening_on.add(node)
+        self._listening_changed()
+
+    def listener_down(self, node: str) -> None:
+        self._listening_on.discard(node)
+        self._listening_changed()
+
+    def _listening_changed(self) -> None:
+        if self._nodes and self._nodes <= self._listening_on:
+            self.listening.set()
+        else:
+            self.listening.clear()
 
     def wake(self, instance_id: int, target: int = 0) -> None:
         for subscription in self._streams.get(instance_id, ()):
@@ -186,52 +210,105 @@ class Hub:
 
 
 async def keep_listening(conninfo: str, hub: Hub, *, positions: bool = False) -> None:
-    """LISTEN while this worker has a stream open, reconnecting with backoff. `positions` (a
-    read replica is configured): wake the streams with the primary's WAL position as their
-    target, read after the notifications arrived."""
+    """LISTEN while this worker has a stream open, where the notifications come from: the
+    server of `conninfo`, and, on a Citus coordinator, each of its workers too (the record's
+    triggers run on the node holding the shard, and notify there; the coordinator may hold
+    shards as well), reached with the credentials and database of `conninfo`. The node list
+    is read again every `NODES_SECONDS` while a stream is open; each node has a listener of
+    its own, so a worker that is down is retried without holding up the others. `positions`
+    (a read replica is configured, on one server): wake the streams with the primary's WAL
+    position as their target, read after the notifications arrived."""
+    listeners: dict[str, asyncio.Task[None]] = {}
+    failures = 0
+    try:
+        while True:
+            await hub.wanted.wait()
+            try:
+                async with asyncio.timeout(CONNECT_SECONDS):
+                    nodes = await _notifying_nodes(conninfo)
+            except (psycopg.Error, OSError, TimeoutError) as exc:
+                log.warning("live-update listener cannot read the database's nodes: %s", exc)
+                failures = min(failures + 1, 10)
+                await asyncio.sleep(min(0.1 * 2**failures, MAX_BACKOFF_SECONDS))
+                continue
+            failures = 0
+            hub.listen_on(set(nodes))
+            for node in set(listeners) - set(nodes):
+                listeners.pop(node).cancel()
+            for node in nodes:
+                if node not in listeners:
+                    wal = positions and nodes == [conninfo]
+                    listeners[node] = asyncio.create_task(_listen(node, hub, positions=wal))
+            await asyncio.sleep(NODES_SECONDS)
+    finally:
+        for task in listeners.values():
+            task.cancel()
+
+
+async def _notifying_nodes(conninfo: str) -> list[str]:
+    """The servers whose notifications the streams need: `conninfo`'s, and a Citus cluster's
+    workers."""
+    async with await psycopg.AsyncConnection.connect(
+        conninfo, autocommit=True, application_name=NODES_NAME
+    ) as conn:
+        workers = await stream.citus_workers(conn)
+    return [
+        conninfo,
+        *(psycopg.conninfo.make_conninfo(conninfo, host=h, port=p) for h, p in workers),
+    ]
+
+
+async def _listen(conninfo: str, hub: Hub, *, positions: bool) -> None:
+    """LISTEN on one server while this worker has a stream open, reconnecting with backoff."""
     loop = asyncio.get_running_loop()
     failures = 0
-    while True:
-        await hub.wanted.wait()
-        try:
-            conn = await asyncio.wait_for(
-                psycopg.AsyncConnection.connect(
-                    conninfo, autocommit=True, row_factory=dict_row, application_name=LISTENER_NAME
-                ),
-                CONNECT_SECONDS,
-            )
-            async with conn:
-                await stream.listen(conn)
-                if failures:
-                    log.info("listening again for live updates")
-                failures = 0
-                # Notifications may have been missed before, or while away.
-                hub.wake_all(await replication.wal_position(conn) if positions else 0)
-                hub.listening.set()
-                checked = loop.time()
-                while hub.wanted.is_set():
-                    # One batch: those that came while the last query ran, or else the first
-                    # packet to arrive (the next ones wait in the backlog meanwhile).
-                    batch = [n async for n in conn.notifies(timeout=IDLE_SECONDS, stop_after=1)]
-                    async with asyncio.timeout(CONNECT_SECONDS):
-                        if not batch:
-                            if loop.time() - checked >= CHECK_SECONDS:
-                                await stream.ping(conn)
-                                checked = loop.time()
-                            continue
-                        target = await replication.wal_position(conn) if positions else 0
-                    for notification in batch:
-                        with contextlib.suppress(ValueError):
-                            hub.wake(int(notification.payload), target)
-                hub.listening.clear()
-            continue  # no stream is left: no session until the next one opens
-        except (psycopg.Error, OSError, TimeoutError) as exc:
-            log.warning("live-update listener lost its connection: %s", exc)
-        except Exception:
-            log.exception("live-update listener failed")
-        hub.listening.clear()
-        failures = min(failures + 1, 10)
-        await asyncio.sleep(min(0.1 * 2**failures, MAX_BACKOFF_SECONDS))
+    try:
+        while True:
+            await hub.wanted.wait()
+            try:
+                conn = await asyncio.wait_for(
+                    psycopg.AsyncConnection.connect(
+                        conninfo,
+                        autocommit=True,
+                        row_factory=dict_row,
+                        application_name=LISTENER_NAME,
+                    ),
+                    CONNECT_SECONDS,
+                )
+                async with conn:
+                    await stream.listen(conn)
+                    if failures:
+                        log.info("listening again for live updates")
+                    failures = 0
+                    # Notifications may have been missed before, or while away.
+                    hub.wake_all(await replication.wal_position(conn) if positions else 0)
+                    hub.listener_up(conninfo)
+                    checked = loop.time()
+                    while hub.wanted.is_set():
+                        # One batch: those that came while the last query ran, or else the
+                        # first packet to arrive (the next ones wait in the backlog meanwhile).
+                        batch = [n async for n in conn.notifies(timeout=IDLE_SECONDS, stop_after=1)]
+                        async with asyncio.timeout(CONNECT_SECONDS):
+                            if not batch:
+                                if loop.time() - checked >= CHECK_SECONDS:
+                                    await stream.ping(conn)
+                                    checked = loop.time()
+                                continue
+                            target = await replication.wal_position(conn) if positions else 0
+                        for notification in batch:
+                            with contextlib.suppress(ValueError):
+                                hub.wake(int(notification.payload), target)
+                    hub.listener_down(conninfo)
+                continue  # no stream is left: no session until the next one opens
+            except (psycopg.Error, OSError, TimeoutError) as exc:
+                log.warning("live-update listener lost its connection: %s", exc)
+            except Exception:
+                log.exception("live-update listener failed")
+            hub.listener_down(conninfo)
+            failures = min(failures + 1, 10)
+            await asyncio.sleep(min(0.1 * 2**failures, MAX_BACKOFF_SECONDS))
+    finally:
+        hub.listener_down(conninfo)
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,11 +352,14 @@ class SharedRead:
         "read again soon" where its own read would not, never the reverse."""
         changes = self.changes
         assert changes is not None
-        start = 0 if after <= self.low else bisect.bisect_right(self.positions, after)
+        # A read from (0, 0) where it was asked from further on: the positions came from another
+        # server (the instance's shard moved): every stream takes the whole instance again.
+        reset = changes.since < self.low
+        start = 0 if reset or after <= self.low else bisect.bisect_right(self.positions, after)
         frames = self._joined.get(start)
         if frames is None:
             frames = self._joined[start] = b"".join(self.frames[start:])
-        position = max(after, changes.position)
+        position = changes.position if reset else max(after, changes.position)
         return Update(
             changes.instance_id, frames, position, changes.more, changes.behind, changes.caught_up
         )

@@ -329,7 +329,7 @@ def test_each_filter_across_instances_reads_its_index_without_sorting(wide_table
         assert "Seq Scan on workflow" not in text, text
         if len(statuses) > 1:
             assert "Merge Append" in text, text
-    rows = wide_table.execute("EXPLAIN " + leases.SWEEP, {"limit": 500}).fetchall()
+    rows = wide_table.execute("EXPLAIN " + leases.DUE_INSTANCES, {"limit": 500}).fetchall()
     text = "\n".join(str(r[0]) for r in rows)
     assert "ix_workflow_step_record_leased_updated_at_id" in text, text
 

@@ -363,7 +363,10 @@ def test_a_sweep_skips_a_record_held_by_a_heartbeat_in_flight(
             "UPDATE workflow_step_record SET lease_expires_at = now() + interval '10 minutes',"
             " updated_at = now() WHERE step_slug = 'racing'"
         )
-        assert sweeper.execute(leases.SWEEP, {"limit": 10}).rowcount == 0
+        row = sweeper.execute("SELECT steprecord_instance_id(%s)", (key,)).fetchone()
+        assert row is not None
+        sweep = (leases.SWEEP_INSTANCE, {"instance_id": row[0]})
+        assert sweeper.execute(*sweep).rowcount == 0
         holder.commit()
-        assert sweeper.execute(leases.SWEEP, {"limit": 10}).rowcount == 0
+        assert sweeper.execute(*sweep).rowcount == 0
     assert record(unswept, key, "racing")["status"] == "running"

@@ -19,6 +19,15 @@ ANSWERS = {
     "steprecord_apply_events": (("i", "integer"), ("outcome", "text"), ("recorded", "boolean")),
     "steprecord_heartbeat": (("i", "integer"), ("outcome", "text")),
     "steprecord_list_page": (),
+    "steprecord_stream_changes": (
+        ("standby", "boolean"),
+        ("instance_id", "bigint"),
+        ("horizon", "xid8"),
+        ("since_xid", "xid8"),
+        ("since_id", "bigint"),
+        ("behind", "boolean"),
+        ("changed_xid", "xid8"),
+    ),
 }
 WITH_KEY = {"steprecord_list_page"}
 

@@ -177,6 +177,20 @@ def test_a_write_overwritten_before_the_stream_reads_it_is_sent_once_in_its_late
     resumed.quiet()
 
 
+def test_an_event_id_beyond_every_transaction_of_the_server_gets_the_instance_again(
+    client: httpx.Client, open_stream: Callable[..., Stream]
+) -> None:
+    """An id from another server (on Citus, from before the instance's shard moved): the
+    whole instance again, then each change, rather than silence until this server's
+    transaction ids get there."""
+    post(client, "declare", step="a")
+    resumed = open_stream(headers={"Last-Event-ID": f"{2**40}-1"})
+    assert resumed.next_event().record["step_slug"] == "a"
+    post(client, "declare", step="b")
+    assert resumed.next_event().record["step_slug"] == "b"
+    resumed.quiet()
+
+
 @pytest.mark.parametrize(
     "garbled",
     [
