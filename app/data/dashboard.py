@@ -26,7 +26,7 @@ INSTANCE_ATTEMPTS = f"""
 SELECT a.record_id, a.attempt, a.status, a.started_at, a.completed_at, a.error_code,
        {ERROR_LINE.format(m="a.error_message")}
 FROM workflow_step_record r
-JOIN workflow_step_attempt a ON a.record_id = r.id
+JOIN workflow_step_attempt a ON a.instance_id = r.instance_id AND a.record_id = r.id
 WHERE r.instance_id = %(instance_id)s AND r.ordinal <= %(last_ordinal)s
 ORDER BY a.record_id, a.attempt
 """

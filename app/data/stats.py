@@ -52,7 +52,7 @@ FROM (
     SELECT a.status,
            extract(epoch FROM a.completed_at - a.started_at)::float8 * 1000 AS ms,
            (SELECT {NAME_OF.format(s="r.step_slug")} FROM workflow_step_record r
-            WHERE r.id = a.record_id) AS name
+            WHERE r.instance_id = a.instance_id AND r.id = a.record_id) AS name
     FROM workflow_step_attempt a
     WHERE a.started_at >= %(since)s AND a.started_at < %(until)s{within}
 ) a
