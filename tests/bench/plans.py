@@ -170,6 +170,30 @@ def explain(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any
     return "\n".join(row[0] for row in rows)
 
 
+def shard_statements(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any]) -> str:
+    """The statements the coordinator sends to the workers for one run of `statement` (a
+    function's too, which EXPLAIN does not show), counted per worker."""
+    sent: list[str] = []
+
+    def note(notice: psycopg.errors.Diagnostic) -> None:
+        sent.append(notice.message_detail or "")
+
+    conn.add_notice_handler(note)
+    conn.execute("SET citus.log_remote_commands = on")
+    conn.execute("SET client_min_messages = log")
+    try:
+        conn.execute(statement, params).fetchall()
+    finally:
+        conn.execute("RESET client_min_messages")
+        conn.execute("RESET citus.log_remote_commands")
+        conn.remove_notice_handler(note)
+    workers: dict[str, int] = {}
+    for detail in filter(None, sent):
+        worker = detail.split(" connectionId")[0]
+        workers[worker] = workers.get(worker, 0) + 1
+    return ", ".join(f"{count} {worker}" for worker, count in sorted(workers.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--instances", type=int, default=200)
@@ -187,6 +211,7 @@ def main() -> None:
                 print(f"## {title}\n")
                 try:
                     print(explain(conn, statement, params))
+                    print(f"\nsent to the workers: {shard_statements(conn, statement, params)}")
                 except psycopg.Error as exc:
                     print(f"REFUSED: {exc}".strip())
                 print()
