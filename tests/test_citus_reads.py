@@ -16,7 +16,7 @@ import pytest
 from psycopg.rows import dict_row
 
 from app.cli import migrate
-from app.data import dashboard, reads, retention, stats
+from app.data import dashboard, reads, retention, running, stats
 from tests.bench.plans import NOW, load
 from tests.helpers import CitusCluster, create_database, drop_database
 
@@ -139,6 +139,15 @@ def test_the_lists_across_instances_answer_what_one_node_answers(
     assert [r["id"] for r in rows] == newest(
         conn, "status = 'failed' AND step_slug = 'step-23'", 50
     )
+
+    long_running = running.long_running_query(prefix=False, no_lease=False)
+    after = {"older_than": 0, "after_started_at": "-infinity", "after_id": 0, "limit": 21}
+    rows = conn.execute(long_running, after).fetchall()
+    oldest = conn.execute(
+        "SELECT id FROM workflow_step_record WHERE status = 'running'"
+        " ORDER BY started_at, id LIMIT 21"
+    ).fetchall()
+    assert [r["id"] for r in rows] == [r["id"] for r in oldest]
 
     prefix = reads.list_recent_query(
         ["failed", "running"], updated_after=False, lease_expired=False, prefix=True
