@@ -1,7 +1,7 @@
 """Pruning: delete every instance last written before a cutoff, in short batches.
 
 Each batch is its own transaction: the candidates (instances created before the cutoff, read
-on their index) are locked and judged again (`app.data.retention.DUE`), so an instance
+on their index) are locked and judged again (`app.data.retention.DUE_ONE`), so an instance
 written after the cutoff stays even when it had been selected; with an archive, the batch's
 instances are written as JSON lines, flushed and fsynced, and only then deleted. A write
 error deletes nothing of its batch. `steprecord prune` runs it once; with

@@ -93,15 +93,16 @@ def exists(client: httpx.Client, key: str) -> bool:
 def age(database_url: str, instance_key: str, days: int) -> None:
     """Make an instance look last written `days` ago (its creation and every record's
     updated_at; the history does not take part in the rule)."""
+    # By the instance's id, derived from its key: on Citus, each update is the shard's.
     with psycopg.connect(database_url) as conn:
         conn.execute(
             "UPDATE process_instance SET created_at = now() - %s * interval '1 day'"
-            " WHERE instance_key = %s",
+            " WHERE id = steprecord_instance_id(%s)",
             (days, instance_key),
         )
         conn.execute(
-            "UPDATE workflow_step_record r SET updated_at = now() - %s * interval '1 day'"
-            " FROM process_instance p WHERE p.id = r.instance_id AND p.instance_key = %s",
+            "UPDATE workflow_step_record SET updated_at = now() - %s * interval '1 day'"
+            " WHERE instance_id = steprecord_instance_id(%s)",
             (days, instance_key),
         )
 

@@ -14,11 +14,18 @@ from app.db import AsyncConn
 from app.domain import InstanceNotFound, Order, Page, StepNotFound
 from app.serialize import RECORD_KEYS
 
+# The instance of a key, by its id (derived from the key): on Citus the id names the shard, so
+# a read of one instance goes to that shard alone (a filter on the key alone would ask every
+# shard). The key too, for the one instance whose id and key both match.
+THE_INSTANCE = (
+    "p.id = steprecord_instance_id(%(instance_key)s) AND p.instance_key = %(instance_key)s"
+)
+
 GET_STEP = f"""
 SELECT p.id AS instance_id, {RECORD.format(r="r")}
 FROM process_instance p
 LEFT JOIN workflow_step_record r ON r.instance_id = p.id AND r.step_slug = %(step_slug)s
-WHERE p.instance_key = %(instance_key)s
+WHERE {THE_INSTANCE}
 """
 
 
@@ -80,7 +87,7 @@ async def list_steps(
     return Page(items, last)
 
 
-GET_INSTANCE = """
+GET_INSTANCE = f"""
 SELECT p.id, p.instance_key, p.created_at,
        count(r.id) FILTER (WHERE r.status = 'pending') AS pending,
        count(r.id) FILTER (WHERE r.status = 'running') AS running,
@@ -88,7 +95,7 @@ SELECT p.id, p.instance_key, p.created_at,
        count(r.id) FILTER (WHERE r.status = 'failed') AS failed
 FROM process_instance p
 LEFT JOIN workflow_step_record r ON r.instance_id = p.id
-WHERE p.instance_key = %(instance_key)s
+WHERE {THE_INSTANCE}
 GROUP BY p.id
 """
 
@@ -190,12 +197,12 @@ FROM process_instance p
 LEFT JOIN workflow_step_record r ON r.instance_id = p.id AND r.step_slug = %(step_slug)s
 LEFT JOIN LATERAL (
     SELECT {ATTEMPT} FROM workflow_step_attempt a
-    WHERE a.instance_id = r.instance_id AND a.record_id = r.id
+    WHERE a.instance_id = steprecord_instance_id(%(instance_key)s) AND a.record_id = r.id
       AND a.attempt > %(after_attempt)s
     ORDER BY a.attempt
     LIMIT %(limit)s
 ) a ON true
-WHERE p.instance_key = %(instance_key)s
+WHERE {THE_INSTANCE}
 """
 
 
@@ -233,7 +240,8 @@ def _recent_branch(status: str, *, updated_after: bool, lease_expired: bool) -> 
     if lease_expired:
         where += ["r.lease_expires_at IS NOT NULL", "r.lease_expires_at < clock_timestamp()"]
     return (
-        f"(SELECT r.instance_id, {RECORD.format(r='r')} FROM workflow_step_record r"
+        f"(SELECT p.instance_key, r.instance_id, {RECORD.format(r='r')}"
+        " FROM workflow_step_record r JOIN process_instance p ON p.id = r.instance_id"
         f" WHERE {' AND '.join(where)}"
         " ORDER BY r.updated_at DESC, r.id DESC LIMIT %(limit)s)"
     )
@@ -257,11 +265,7 @@ def list_recent_query(
     merged = " UNION ALL ".join(branches)
     if len(branches) > 1:
         merged += " ORDER BY updated_at DESC, id DESC LIMIT %(limit)s"
-    return f"""
-SELECT (SELECT p.instance_key FROM process_instance p WHERE p.id = s.instance_id)
-           AS instance_key, s.*
-FROM ({merged}) s
-"""
+    return f"SELECT s.* FROM ({merged}) s"
 
 
 def _in_prefix_query(statuses: Sequence[str], *, updated_after: bool, lease_expired: bool) -> str:

@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from app.data.common import RECORD
-from app.data.reads import ATTEMPT
+from app.data.reads import ATTEMPT, THE_INSTANCE
 from app.db import AsyncConn
 from app.domain import InstanceNotFound
 
@@ -23,8 +23,12 @@ from app.domain import InstanceNotFound
 # id order: a writer updating one finishes first, and the check of what is running reads the
 # newest versions). Without `force` an instance with a running step stays; with it, it goes
 # regardless.
-LOCK_INSTANCE = """
-SELECT p.id FROM process_instance p WHERE p.instance_key = %(instance_key)s FOR UPDATE
+#
+# On Citus each statement names the instance's id, so it runs on the one worker that holds the
+# instance. The notification is a statement of its own, after the deletion: it runs on the
+# node the service listens on (inside a statement routed to a worker, it would be sent there).
+LOCK_INSTANCE = f"""
+SELECT p.id FROM process_instance p WHERE {THE_INSTANCE} FOR UPDATE
 """
 DELETE_LOCKED = """
 WITH records AS (
@@ -33,21 +37,20 @@ WITH records AS (
     FOR UPDATE OF r
 ),
 allowed AS (
-    SELECT %(id)s::bigint AS id
-    WHERE %(force)s OR NOT EXISTS (SELECT 1 FROM records WHERE status = 'running')
+    SELECT WHERE %(force)s OR NOT EXISTS (SELECT 1 FROM records WHERE status = 'running')
 ),
 gone_records AS (
-    DELETE FROM workflow_step_record r USING allowed a WHERE r.instance_id = a.id
+    DELETE FROM workflow_step_record r
+    WHERE r.instance_id = %(id)s AND EXISTS (SELECT FROM allowed)
 ),
 gone AS (
-    DELETE FROM process_instance p USING allowed a WHERE p.id = a.id RETURNING p.id
-),
-told AS (
-    SELECT pg_notify('steprecord_changes', gone.id::text) FROM gone
+    DELETE FROM process_instance p
+    WHERE p.id = %(id)s AND EXISTS (SELECT FROM allowed) RETURNING p.id
 )
 SELECT (SELECT count(*) FROM records WHERE status = 'running') AS running,
-       (SELECT count(*) FROM told) AS deleted
+       (SELECT count(*) FROM gone) AS deleted
 """
+TELL_DELETED = "SELECT pg_notify('steprecord_changes', %(id)s::bigint::text)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +68,9 @@ async def delete_instance(conn: AsyncConn, instance_key: str, *, force: bool) ->
             raise InstanceNotFound(instance_key)
         cur = await conn.execute(DELETE_LOCKED, {"id": locked["id"], "force": force})
         row = await cur.fetchone()
-    assert row is not None
+        assert row is not None
+        if row["deleted"] > 0:
+            await conn.execute(TELL_DELETED, {"id": locked["id"]})
     return Deletion(deleted=row["deleted"] > 0, running=int(row["running"]))
 
 
@@ -80,43 +85,30 @@ ORDER BY p.created_at, p.id
 LIMIT %(limit)s
 """
 
-# A batch: lock, then judge, in two statements of the batch's transaction. `LOCK_BATCH` locks
-# the instances (in id order; a writer creating a step of one waits from then on). `DUE` is a
-# new statement, so its snapshot is taken after the locks were granted: it sees every step
-# committed before, also one created by a writer that held an instance's lock while
-# `LOCK_BATCH` waited for it (a statement that locked and judged at once would judge on its
-# own older snapshot and delete that step unjudged). It locks the records too, in id order (a
-# writer updating one finishes first, and the check reads the newest versions). An instance
-# goes when its last write (its records' greatest updated_at, else its own created_at) is
-# before the cutoff, and, unless unfinished ones are included, none of its records is pending
-# or running. So an instance written after the cutoff stays, even when it was selected as a
-# candidate before that write.
-LOCK_BATCH = """
-SELECT p.id FROM process_instance p WHERE p.id = ANY(%(ids)s) ORDER BY p.id FOR UPDATE
-"""
-DUE = """
-WITH batch AS (
-    SELECT p.id, p.instance_key, p.created_at FROM process_instance p
-    WHERE p.id = ANY(%(ids)s)
-),
-records AS (
-    SELECT r.instance_id, r.updated_at, r.status FROM workflow_step_record r
-    WHERE r.instance_id IN (SELECT id FROM batch)
+# A batch: lock, then judge, each instance in a statement of its own naming its id (on Citus,
+# so, on the one worker that holds it: Citus locks rows only in a statement routed to one
+# shard), sent together in one pipeline. `LOCK_ONE` locks the instances (in id order; a writer
+# creating a step of one waits from then on). Every `DUE_ONE` comes after all the locks were
+# granted, so its snapshot sees every step committed before, also one created by a writer
+# that held an instance's lock while `LOCK_ONE` waited for it (a statement that locked and
+# judged at once would judge on its own older snapshot and delete that step unjudged). It
+# locks the instance's records too, in id order (a writer updating one finishes first, and the
+# check reads the newest versions). An instance goes when its last write (its records'
+# greatest updated_at, else its own created_at) is before the cutoff, and, unless unfinished
+# ones are included, none of its records is pending or running. So an instance written after
+# the cutoff stays, even when it was selected as a candidate before that write.
+LOCK_ONE = "SELECT p.id FROM process_instance p WHERE p.id = %(id)s FOR UPDATE"
+DUE_ONE = """
+WITH records AS (
+    SELECT r.updated_at, r.status FROM workflow_step_record r WHERE r.instance_id = %(id)s
     ORDER BY r.id
     FOR UPDATE
-),
-judged AS (
-    SELECT b.id, b.instance_key, b.created_at,
-           COALESCE((SELECT max(r.updated_at) FROM records r WHERE r.instance_id = b.id),
-                    b.created_at) AS last_write,
-           EXISTS (SELECT 1 FROM records r
-                   WHERE r.instance_id = b.id AND r.status IN ('pending', 'running'))
-               AS unfinished
-    FROM batch b
 )
-SELECT j.id, j.instance_key, j.created_at FROM judged j
-WHERE j.last_write < %(cutoff)s AND (%(include_unfinished)s OR NOT j.unfinished)
-ORDER BY j.id
+SELECT p.id, p.instance_key, p.created_at FROM process_instance p
+WHERE p.id = %(id)s
+  AND COALESCE((SELECT max(r.updated_at) FROM records r), p.created_at) < %(cutoff)s
+  AND (%(include_unfinished)s
+       OR NOT EXISTS (SELECT 1 FROM records r WHERE r.status IN ('pending', 'running')))
 """
 ARCHIVED_RECORDS = f"""
 SELECT r.instance_id, {RECORD.format(r="r")} FROM workflow_step_record r
@@ -186,12 +178,19 @@ async def lock_due(
     include_unfinished: bool,
     with_contents: bool,
 ) -> Due:
-    """Inside a transaction: lock a batch, then keep the instances that go (see `LOCK_BATCH`),
+    """Inside a transaction: lock a batch, then keep the instances that go (see `LOCK_ONE`),
     with their records and attempts as the API renders them when `with_contents`."""
-    await conn.execute(LOCK_BATCH, {"ids": ids})
-    params = {"ids": ids, "cutoff": cutoff, "include_unfinished": include_unfinished}
-    cur = await conn.execute(DUE, params)
-    due = await cur.fetchall()
+    one_by_one = [{"id": id_} for id_ in sorted(ids)]
+    async with conn.cursor() as cur:
+        await cur.executemany(LOCK_ONE, one_by_one)
+        judged = [
+            {**one, "cutoff": cutoff, "include_unfinished": include_unfinished}
+            for one in one_by_one
+        ]
+        await cur.executemany(DUE_ONE, judged, returning=True)
+        due = await cur.fetchall()
+        while cur.nextset():
+            due += await cur.fetchall()
     due_ids = [row["id"] for row in due]
     cur = await conn.execute(COUNTS, {"ids": due_ids})
     counts = await cur.fetchone()

@@ -11,6 +11,10 @@
 -- key and the output as text; the service renders them as JSON. No row at all: the
 -- instance does not exist. One row whose id is NULL: it exists but has no such record.
 --
+-- The instance is found by its id, derived from its key, and its key: on Citus the id names
+-- the shard, so each read goes to the one worker that holds the instance (Citus plans this
+-- function with its values there, app/distribution.py).
+--
 -- Each of the three reads is one range scan of one index under its LIMIT, whatever the
 -- parameters: (instance_id, ordinal), or (instance_id, started_at, id) twice, appended.
 -- So the one generic plan per connection (force_generic_plan) is the plan a custom one
@@ -39,12 +43,14 @@ BEGIN
         FROM process_instance p
         LEFT JOIN LATERAL (
             SELECT * FROM workflow_step_record r
-            WHERE r.instance_id = p.id AND r.ordinal > p_after_ordinal
+            WHERE r.instance_id = steprecord_instance_id(p_instance_key)
+              AND r.ordinal > p_after_ordinal
               AND (p_statuses IS NULL OR r.status = ANY(p_statuses))
             ORDER BY r.ordinal
             LIMIT p_max_rows
         ) r ON true
-        WHERE p.instance_key = p_instance_key;
+        WHERE p.id = steprecord_instance_id(p_instance_key)
+          AND p.instance_key = p_instance_key;
     ELSIF p_after_started_at IS NULL THEN
         -- Inside the never-started part (started_at IS NULL sorts last): by id alone.
         RETURN QUERY
@@ -54,12 +60,13 @@ BEGIN
         FROM process_instance p
         LEFT JOIN LATERAL (
             SELECT * FROM workflow_step_record r
-            WHERE r.instance_id = p.id AND r.started_at IS NULL
+            WHERE r.instance_id = steprecord_instance_id(p_instance_key) AND r.started_at IS NULL
               AND r.id > p_after_id AND (p_statuses IS NULL OR r.status = ANY(p_statuses))
             ORDER BY r.started_at, r.id
             LIMIT p_max_rows
         ) r ON true
-        WHERE p.instance_key = p_instance_key;
+        WHERE p.id = steprecord_instance_id(p_instance_key)
+          AND p.instance_key = p_instance_key;
     ELSE
         -- Started records after (p_after_started_at, p_after_id), then the never-started
         -- ones from the first: two index range scans appended, so neither needs a sort.
@@ -70,20 +77,21 @@ BEGIN
         FROM process_instance p
         LEFT JOIN LATERAL (
             (SELECT * FROM workflow_step_record r
-             WHERE r.instance_id = p.id
+             WHERE r.instance_id = steprecord_instance_id(p_instance_key)
                AND (r.started_at, r.id) > (p_after_started_at, p_after_id)
                AND (p_statuses IS NULL OR r.status = ANY(p_statuses))
              ORDER BY r.started_at, r.id
              LIMIT p_max_rows)
             UNION ALL
             (SELECT * FROM workflow_step_record r
-             WHERE r.instance_id = p.id AND r.started_at IS NULL
+             WHERE r.instance_id = steprecord_instance_id(p_instance_key) AND r.started_at IS NULL
                AND r.id > 0 AND (p_statuses IS NULL OR r.status = ANY(p_statuses))
              ORDER BY r.started_at, r.id
              LIMIT p_max_rows)
             LIMIT p_max_rows
         ) r ON true
-        WHERE p.instance_key = p_instance_key;
+        WHERE p.id = steprecord_instance_id(p_instance_key)
+          AND p.instance_key = p_instance_key;
     END IF;
 END
 $fn$;

@@ -53,8 +53,9 @@ PRUNE_TIMEOUT = 3600.0
 # with `steps` completed records, written one second apart. The records are inserted step by
 # step across all instances, as load_reads.sql does; their triggers write the history.
 LOAD_INSTANCES = """
-INSERT INTO process_instance (instance_key, next_ordinal, created_at)
-SELECT 'p' || (%(first)s::bigint + i), %(steps)s::bigint,
+INSERT INTO process_instance (id, instance_key, next_ordinal, created_at)
+SELECT steprecord_instance_id('p' || (%(first)s::bigint + i)), 'p' || (%(first)s::bigint + i),
+       %(steps)s::bigint,
        now() - interval '3 days' - make_interval(secs => mod(i * 7919, 3600))
 FROM generate_series(0::bigint, %(instances)s::bigint - 1) i
 """
