@@ -397,6 +397,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
     """Defaults after each option; the epilog's lines kept as written."""
 
 
+# Settings whose default follows from another's.
+DERIVED_DEFAULTS = {"pool_share_per_token": "default: half of STEPRECORD_POOL_SIZE, at least 1"}
 # Settings that `serve` takes from its own options rather than from the environment.
 SERVE_OPTIONS = {"host": "--host", "insecure_no_auth": "--insecure-no-auth"}
 
@@ -425,6 +427,8 @@ def environment_help() -> str:
         variable = setting_variable(name)
         if name in SERVE_OPTIONS:
             note = f"set by {SERVE_OPTIONS[name]}"
+        elif name in DERIVED_DEFAULTS:
+            note = DERIVED_DEFAULTS[name]
         else:
             default = field.get_default(call_default_factory=True)
             note = "unset" if default is None else f"default: {default}"

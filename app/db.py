@@ -12,6 +12,9 @@ setting, no startup parameter and no extra round trip, so it holds behind PgBoun
 transaction mode as well. A server that does not even answer the cancel within
 `CANCEL_GRACE` seconds is treated as lost.
 
+A request holds at most its token's share of the connections (app/shares.py); work that is
+no request's is not counted.
+
 While tracing is on (app/tracing.py), a request's use of a connection, from waiting for it
 to giving it back, is a client span of the request's span.
 """
@@ -28,7 +31,7 @@ from psycopg.types.array import ListBinaryDumper
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.pool import NullPool
 
-from app import tracing
+from app import shares, tracing
 
 AsyncConn = psycopg.AsyncConnection[dict[str, Any]]
 
@@ -45,6 +48,10 @@ class PoolExhausted(DatabaseUnavailable):
     """Every connection of the pool is in use: the database is busy, not down."""
 
 
+class TokenBusy(PoolExhausted):
+    """Every connection of the request's share is in use by its own token (429, not 503)."""
+
+
 class Pool:
     def __init__(
         self,
@@ -56,6 +63,7 @@ class Pool:
         prepare_threshold: int | None,
         on_change: Callable[[str, int], None] | None = None,
         tracer: tracing.Tracer | None = None,
+        share: int | None = None,
     ) -> None:
         self._on_change = on_change
         self._tracer = tracer
@@ -64,6 +72,8 @@ class Pool:
         self._statement_timeout = statement_timeout
         self._prepare_threshold = prepare_threshold
         self._slots = asyncio.Semaphore(size)
+        # Each principal's share of the connections (app/shares.py); None: no shares.
+        self._shares = None if share is None else shares.Shares(min(share, size))
         self._idle: list[AsyncConn] = []
         self.size = size
         self.in_use = 0
@@ -112,18 +122,58 @@ class Pool:
     async def _connection(self, wait: bool) -> AsyncIterator[AsyncConn]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout  # waiting for a slot and connecting, together
-        if not self._slots.locked():
-            await self._slots.acquire()  # a free slot is taken at once, without yielding
-        elif not wait:
-            raise PoolExhausted("every database connection is in use")
-        else:
-            self._changed(waiting=1)
-            try:
-                await asyncio.wait_for(self._slots.acquire(), self._timeout)
-            except TimeoutError:
-                raise PoolExhausted("no database connection came free in time") from None
-            finally:
-                self._changed(waiting=-1)
+        principal = None if self._shares is None else shares.PRINCIPAL.get()
+        share = None
+        if principal is not None:
+            share = await self._take_share(principal, deadline - loop.time() if wait else 0)
+        try:
+            if not self._slots.locked():
+                await self._slots.acquire()  # a free slot is taken at once, without yielding
+            elif not wait:
+                raise PoolExhausted("every database connection is in use")
+            else:
+                self._changed(waiting=1)
+                try:
+                    await asyncio.wait_for(self._slots.acquire(), deadline - loop.time())
+                except TimeoutError:
+                    raise PoolExhausted("no database connection came free in time") from None
+                finally:
+                    self._changed(waiting=-1)
+            async with self._connected(deadline, share) as conn:
+                yield conn
+        finally:
+            if share is not None and self._shares is not None:
+                share.slots.release()
+                self._shares.leave(share)
+
+    async def _take_share(self, principal: str, wait: float) -> shares.Share:
+        """A slot of the principal's share, within `wait` seconds: `TokenBusy` when its
+        connections are all busy, `PoolExhausted` when they are still coming (the database
+        is slow to give them: an outage answers 503, not 429)."""
+        assert self._shares is not None
+        share = self._shares.of(principal)
+        try:
+            taken = await self._shares.take(share, wait)
+        except BaseException:
+            self._shares.leave(share)
+            raise
+        if not taken:
+            saturated = share.saturated
+            self._shares.leave(share)
+            if saturated and wait > 0:
+                raise TokenBusy(
+                    f"this token already uses its {share.size} database connections of this"
+                    f" worker's {self.size} (STEPRECORD_POOL_SHARE_PER_TOKEN)"
+                )
+            raise PoolExhausted("no database connection came free in time")
+        return share
+
+    @asynccontextmanager
+    async def _connected(
+        self, deadline: float, share: shares.Share | None
+    ) -> AsyncIterator[AsyncConn]:
+        """A connection, once a slot of the pool is held (it gives the slot back)."""
+        loop = asyncio.get_running_loop()
         conn: AsyncConn | None = None
         try:
             conn = self._take_idle()
@@ -133,6 +183,8 @@ class Pool:
                 except (psycopg.OperationalError, OSError, TimeoutError) as exc:
                     raise DatabaseUnavailable(str(exc) or "connection timed out") from exc
             self._changed(in_use=1)
+            if share is not None:
+                share.connected += 1
             try:
                 # The first expiry cancels the statement; the second, if the server has not
                 # answered the cancel, makes psycopg close the connection.
@@ -153,6 +205,8 @@ class Pool:
                 raise DatabaseUnavailable(f"cancelled at the {bound}") from None
             finally:
                 self._changed(in_use=-1)
+                if share is not None:
+                    share.connected -= 1
         finally:
             if conn is not None:
                 if conn.closed or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:

@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.routing import Route, compile_path
 
-from app.db import DatabaseUnavailable
+from app.db import DatabaseUnavailable, TokenBusy
 from app.domain import (
     ConstraintViolation,
     Contention,
@@ -56,6 +56,7 @@ TITLES = {
     "forbidden": "Token not allowed to do this",
     "outside_prefix": "Instance outside the token's key prefix",
     "too_many_streams": "Too many open streams for this token",
+    "token_busy": "Every database connection of this token's share in use",
     "unavailable": "Database unavailable",
     "internal_error": "Internal error",
 }
@@ -134,6 +135,13 @@ def to_problem(exc: Exception) -> Problem:
         return Problem(404, "instance_not_found", f"no instance {exc.args[0]!r}")
     if isinstance(exc, StepNotFound):
         return Problem(404, "step_not_found", f"no step {exc.args[0]!r} in this instance")
+    if isinstance(exc, TokenBusy):  # before its base, DatabaseUnavailable
+        return Problem(
+            429,
+            "token_busy",
+            f"{exc}: wait for this token's other requests to finish (Retry-After), send fewer at"
+            " once, or give each client a token of its own",
+        )
     if isinstance(exc, DatabaseUnavailable):
         return Problem(503, "unavailable", f"the database is unavailable: {exc}")
     if isinstance(exc, Contention):

@@ -23,6 +23,7 @@ from app import (
     replica,
     routes,
     schemas,
+    shares,
     sweeper,
     tracing,
     ui,
@@ -72,6 +73,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Tracing on: this worker exports its spans from now until it stops (app/tracing.py).
         tracer = None if provider is None else tracing.start(provider)
 
+        share = settings.pool_share_per_token or shares.default_share(settings.pool_size)
+
         def pool(conninfo: str, name: str) -> Pool:
             return Pool(
                 conninfo,
@@ -81,6 +84,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 prepare_threshold=settings.prepare_threshold,
                 on_change=functools.partial(observe.pool_changed, name),
                 tracer=tracer,
+                share=share,
             )
 
         primary = pool(primary_url, "primary")
