@@ -56,8 +56,7 @@ def test_a_token_flooding_the_pool_gets_429_while_another_tokens_requests_go_on(
                 )
                 body = {"attempt": 1, "output": {"n": 1}}
                 sent: list[Future[httpx.Response]] = [
-                    threads.submit(flood.post, f"{steps}/complete", json=body)
-                    for _ in range(FLOOD)
+                    threads.submit(flood.post, f"{steps}/complete", json=body) for _ in range(FLOOD)
                 ]
                 try:
                     # Its share, two connections, waits on the lock; the rest of its
