@@ -12,6 +12,7 @@ import psycopg
 import pytest
 
 from tests.helpers import eventually, lock_waits, problem, start_server, steprecord, stop
+from tests.test_faults import FreezableProxy, upstream
 
 # A pool of 4, so the default share is 2; statements may wait on a lock for long.
 ENV = {"STEPRECORD_POOL_SIZE": "4", "STEPRECORD_STATEMENT_TIMEOUT": "60"}
@@ -84,3 +85,21 @@ def test_a_token_flooding_the_pool_gets_429_while_another_tokens_requests_go_on(
             assert flood.get(steps).json()["status"] == "completed"
     finally:
         stop(proc)
+
+
+def test_a_token_whose_connections_cannot_open_gets_503_not_429(own_database: str) -> None:
+    """Its share is not busy with its own statements: the database is out, and says so."""
+    secret = create_token(own_database, f"outage-{uuid.uuid4().hex[:8]}")
+    with FreezableProxy(upstream(own_database)) as proxy:
+        env = ENV | {"STEPRECORD_STATEMENT_TIMEOUT": "1", "STEPRECORD_SWEEP_SECONDS": "0"}
+        url, proc = start_server(proxy.url(own_database), env=env)
+        try:
+            with client(url, secret) as answering:
+                assert answering.get("/v1/instances").status_code == 200
+            proxy.freeze()
+            with client(url, secret) as frozen, ThreadPoolExecutor(FLOOD) as threads:
+                answers = list(threads.map(lambda _: frozen.get("/v1/instances"), range(FLOOD)))
+            for answer in answers:
+                problem(answer, 503, "unavailable")
+        finally:
+            stop(proc)
