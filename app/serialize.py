@@ -5,6 +5,7 @@ import math
 import re
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from operator import itemgetter
 from typing import Any
 
 import orjson
@@ -218,8 +219,10 @@ MAX_PAGE_BYTES = 16 * 1024 * 1024
 _FRAME_BYTES = 1024
 # What a string may grow to in JSON: a control character becomes six bytes (`\u001f`).
 _ESCAPED = 6
-# A row's values other than strings (numbers, times, nulls), their keys and punctuation.
-_OTHER_BYTES = 512
+# The values of a record or an attempt that may be long; the rest are bounded: names of 200
+# characters of the key alphabet, a trace id, times, numbers, and their keys.
+_LONG = tuple(map(itemgetter, ("output", "error_message", "external_output_url")))
+_OTHER_BYTES = 2048
 
 
 def dumps_page(
@@ -229,13 +232,15 @@ def dumps_page(
     cursor: Callable[[dict[str, Any]], str],
     max_bytes: int = MAX_PAGE_BYTES,
 ) -> bytes:
-    """`{"items": [...], "next_cursor": ...}`: the rows rendered, `last` the row whose cursor
-    follows (None: none follows), cut before the body would pass `max_bytes`.
+    """`{"items": [...], "next_cursor": ...}`: the rows (records or attempts) rendered, `last`
+    the row whose cursor follows (None: none follows), cut before the body would pass
+    `max_bytes`.
 
-    A page that cannot pass it (every string at its widest) is rendered in one call, as
+    A page that cannot pass it (its long strings at their widest) is rendered in one call, as
     always; a larger one row by row, each rendered once, ending after the last row that fits
     (always the first, however large) with that row's cursor: paging on reads the rest."""
-    widest = sum(len(value) for row in rows for value in row.values() if type(value) is str)
+    # Summed in C: on the pages that fit, nearly all, it costs a sixth of the dump's time.
+    widest = sum(sum(map(len, filter(None, map(get, rows)))) for get in _LONG)
     if _ESCAPED * widest + _OTHER_BYTES * len(rows) + _FRAME_BYTES <= max_bytes:
         items = [render(row) for row in rows]
         return dumps({"items": items, "next_cursor": None if last is None else cursor(last)})

@@ -6,7 +6,7 @@ from typing import Any
 import httpx
 
 from app.limits import MAX_MESSAGE_BYTES, MAX_OUTPUT_BYTES
-from app.serialize import MAX_PAGE_BYTES
+from app.serialize import MAX_PAGE_BYTES, dumps_page, loads, shown
 from tests.helpers import post, step_path
 
 # `{"blob": "xx…x"}` as the database writes it: exactly the largest inline output.
@@ -72,8 +72,10 @@ def test_a_step_whose_attempts_pass_16_mib_pages_its_history_within_the_bound(
 
 
 def test_an_item_larger_than_the_bound_alone_is_still_answered() -> None:
-    from app.serialize import dumps_page, loads
+    def row(n: int, output: str) -> dict[str, Any]:
+        return {"n": n, "output": output, "error_message": None, "external_output_url": None}
 
-    rows = [{"n": 1, "text": "a" * 300}, {"n": 2, "text": "b"}]
-    body = dumps_page(rows, dict, {"n": 2}, lambda row: f"after-{row['n']}", max_bytes=100)
-    assert loads(body) == {"items": [rows[0]], "next_cursor": "after-1"}
+    rows = [row(1, '"' + "a" * 300 + '"'), row(2, '"b"')]
+    body = dumps_page(rows, shown, rows[1], lambda row: f"after-{row['n']}", max_bytes=100)
+    first = {"n": 1, "output": "a" * 300, "error_message": None, "external_output_url": None}
+    assert loads(body) == {"items": [first], "next_cursor": "after-1"}
