@@ -591,9 +591,12 @@ def test_each_instance_filter_is_served_by_an_index(
     assert "Seq Scan" not in text, text
 
 
-def test_the_instance_page_reads_steps_and_attempts_by_index(many_instances: Any) -> None:
-    for query in (dashboard.INSTANCE_STEPS, dashboard.INSTANCE_ATTEMPTS):
-        params = {"instance_id": 500, "limit": 1001, "last_ordinal": 2}
+def test_the_instance_and_step_pages_read_steps_and_attempts_by_index(
+    many_instances: Any,
+) -> None:
+    queries = (dashboard.INSTANCE_STEPS, dashboard.INSTANCE_ATTEMPTS, dashboard.STEP_ATTEMPTS)
+    for query in queries:
+        params = {"instance_id": 500, "limit": 1001, "last_ordinal": 2, "record_id": 500}
         text = plan(many_instances, query, params)
         assert "Seq Scan" not in text, text
 
