@@ -41,11 +41,45 @@ SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
 
 
 class DatabaseUnavailable(Exception):
-    """PostgreSQL cannot be reached (or no connection came free) in time."""
+    """PostgreSQL cannot be reached (or no connection came free) in time.
+
+    Its text (`str(exc)`) is for the log only: the driver's message names the database's host,
+    port, user and database. `public` says what happened in words a client may read."""
+
+    def __init__(self, logged: str, public: str = "the database cannot be reached") -> None:
+        super().__init__(logged)
+        self.public = public
 
 
 class PoolExhausted(DatabaseUnavailable):
     """Every connection of the pool is in use: the database is busy, not down."""
+
+    def __init__(self, logged: str) -> None:
+        super().__init__(logged, "every database connection of this service is in use")
+
+
+# What a client is told of a statement the database refused as an outage, by SQLSTATE class
+# (or the whole code): never the driver's message, which names where the database is.
+PUBLIC_BY_SQLSTATE = {
+    "08": "the connection to the database was lost",
+    "57P01": "the database is shutting down",
+    "57P02": "the database is shutting down",
+    "57P03": "the database is starting up or not accepting connections",
+    "57014": "the database cancelled the statement",
+    "55P03": "a lock was not granted within the database's lock timeout",
+    "53": "the database is out of a resource (connections, memory or disk)",
+    "40": "the statement collided with a concurrent one",
+    "25006": "the database is read-only (a standby not promoted yet)",
+}
+
+
+def public_reason(exc: psycopg.Error) -> str:
+    """Why a statement failed as an outage, in words fit for a client (see `PUBLIC_BY_SQLSTATE`)."""
+    sqlstate = exc.sqlstate or ""
+    reason = PUBLIC_BY_SQLSTATE.get(sqlstate) or PUBLIC_BY_SQLSTATE.get(sqlstate[:2])
+    if reason is None and isinstance(exc, psycopg.OperationalError) and not sqlstate:
+        return "the connection to the database was lost"  # a broken socket has no SQLSTATE
+    return reason or "the database could not run the statement"
 
 
 class TokenBusy(PoolExhausted):
@@ -181,7 +215,8 @@ class Pool:
                 try:
                     conn = await asyncio.wait_for(self._connect(), deadline - loop.time())
                 except (psycopg.OperationalError, OSError, TimeoutError) as exc:
-                    raise DatabaseUnavailable(str(exc) or "connection timed out") from exc
+                    logged = str(exc) or "connecting timed out"
+                    raise DatabaseUnavailable(logged, "the database cannot be reached") from exc
             self._changed(in_use=1)
             if share is not None:
                 share.connected += 1
@@ -194,15 +229,17 @@ class Pool:
             except psycopg.OperationalError as exc:
                 if lost(conn, exc):
                     self._discard_idle()
-                raise DatabaseUnavailable(str(exc)) from exc
+                raise DatabaseUnavailable(str(exc), public_reason(exc)) from exc
             except psycopg.errors.ReadOnlySqlTransaction as exc:  # a standby, until promoted
-                raise DatabaseUnavailable(str(exc)) from exc
+                raise DatabaseUnavailable(str(exc), public_reason(exc)) from exc
             except TimeoutError:
                 bound = f"{self._statement_timeout:g} s statement timeout"
                 if conn.closed:
                     self._discard_idle()
-                    raise DatabaseUnavailable(f"no answer from the database: {bound}") from None
-                raise DatabaseUnavailable(f"cancelled at the {bound}") from None
+                    text = f"no answer from the database within the {bound}"
+                    raise DatabaseUnavailable(text, text) from None
+                text = f"cancelled at the {bound}"
+                raise DatabaseUnavailable(text, text) from None
             finally:
                 self._changed(in_use=-1)
                 if share is not None:

@@ -1,6 +1,7 @@
 """One error shape: RFC 9457 problem+json with a stable `code`; the exception carries its status."""
 
 import difflib
+import logging
 import re
 from collections.abc import Iterable
 from http import HTTPStatus
@@ -26,6 +27,7 @@ from app.serialize import dumps
 
 PROBLEM_TYPE = "urn:steprecord:problem:"
 RETRY_AFTER_SECONDS = "1"
+log = logging.getLogger("steprecord.database")
 # What an instance key, step slug or error code may be, in words (the pattern in app.models).
 NAME_RULE = (
     "must be 1 to 200 characters: letters, digits, '.', '_', ':' or '-',"
@@ -143,7 +145,15 @@ def to_problem(exc: Exception) -> Problem:
             " once, or give each client a token of its own",
         )
     if isinstance(exc, DatabaseUnavailable):
-        return Problem(503, "unavailable", f"the database is unavailable: {exc}")
+        # The driver's text names the database's host, port, user and database: it goes to
+        # the log only, where the request id (each log line's) ties it to this answer.
+        log.warning("database unavailable: %s", exc)
+        return Problem(
+            503,
+            "unavailable",
+            f"{exc.public}: retry after {RETRY_AFTER_SECONDS} s (the service's log has the"
+            " cause under this request's X-Request-ID)",
+        )
     if isinstance(exc, Contention):
         return Problem(503, "unavailable", str(exc))
     return Problem(500, "internal_error", "an unexpected error occurred")

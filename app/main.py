@@ -20,6 +20,7 @@ from app import (
     live,
     observe,
     pruning,
+    readiness,
     replica,
     routes,
     schemas,
@@ -98,6 +99,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             refresh=settings.token_refresh_seconds,
         )
         app.state.pool, app.state.tokens, app.state.schema_head = primary, tokens, schema_head()
+        app.state.readiness = readiness.Readiness(primary)  # one check per second for /readyz
         # Every read path takes its connection here: `await app.state.read_pool.run(work)`.
         app.state.read_pool = reads
         app.state.hub, app.state.stream_heartbeat = live.Hub(), settings.stream_heartbeat_seconds
