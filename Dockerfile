@@ -20,7 +20,8 @@ WORKDIR /home/steprecord
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
-# Configure with DATABASE_URL; create a token first (`steprecord token create`) or the
+# Configure with DATABASE_URL; migrate, then create a token (`steprecord migrate`, then
+# `steprecord token create`; neither `token` nor `prune` migrates) or the
 # service refuses to listen on a public address without one.
 # It serves plain HTTP: in production run it behind a TLS-terminating proxy or load balancer.
 ENTRYPOINT ["steprecord"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app import docs, domain, sessions, tenancy, ui
+from app import docs, domain, sessions, shares, tenancy, ui
 from app.config import is_loopback
 from app.data import tokens
 from app.db import DatabaseUnavailable, Pool
@@ -273,7 +273,14 @@ class AccessControl:
             scope.setdefault("state", {})[ADMISSION] = Admission(grant, direct)
             if grant is not None and grant.key_prefix is not None:
                 tenancy.set_prefix(scope, grant.key_prefix)
-            await self.app(scope, receive, send)
+            # Its database connections count against its token's share (app/shares.py).
+            principal = shares.PRINCIPAL.set(
+                shares.principal_of(None if grant is None else grant.token_id)
+            )
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                shares.PRINCIPAL.reset(principal)
             return
         if problem.status == 401 and ui.asks_for_login(scope):
             await ui.login_page(scope, problem.detail)(scope, receive, send)

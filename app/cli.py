@@ -24,12 +24,14 @@ from pydantic import AliasChoices, ValidationError
 from uvicorn.supervisors import Multiprocess
 
 from app import __version__, domain, pruning
+from app import main as wiring
 from app.access import SCOPES, new_token
 from app.config import Settings, is_loopback, parse_duration, redact
-from app.data import retention, tokens
+from app.data import retention, revision, tokens
+from app.db import AsyncConn
 from app.embedded import EmbeddedPostgres
 from app.limits import PREFIX_DELIMITED_RE, PREFIX_RE
-from app.main import alembic_config, create_app
+from app.main import alembic_config, create_app, known_revisions, schema_head
 from app.server import ServerConfig
 
 
@@ -206,10 +208,42 @@ def _banner(args: argparse.Namespace, settings: Settings, url: str) -> str:
     )
 
 
+async def schema_refusal(conn: AsyncConn, command: str) -> str | None:
+    """Why `command` must not run on this database's schema (None: it may).
+
+    Only `migrate` and `serve` change the schema: any other command on a database behind
+    this release (or never migrated) stops, rather than upgrade a production database unasked.
+    A revision ahead that this release is declared compatible with is accepted, as `serve`
+    accepts it; one it does not know is refused, as `serve` would fail on it."""
+    current = await revision.schema_revision(conn)
+    head = schema_head()
+    if current == head or current in wiring.COMPATIBLE_AHEAD:
+        return None
+    changes = f"`steprecord {command}` never changes the schema"
+    if current is None:
+        return (
+            f"the database has no schema yet; this release needs revision {head}:"
+            f" run steprecord migrate first ({changes})"
+        )
+    if current in known_revisions():
+        return (
+            f"the database's schema is at revision {current}, behind this release's {head}:"
+            f" run steprecord migrate first ({changes})"
+        )
+    return (
+        f"the database's schema is at revision {current}, which this release does not know"
+        f" (its newest is {head}): use the steprecord release that migrated it"
+    )
+
+
 async def _token(args: argparse.Namespace, url: str) -> int:
     async with await psycopg.AsyncConnection.connect(
         url, autocommit=True, row_factory=dict_row
     ) as conn:
+        refusal = await schema_refusal(conn, f"token {args.action}")
+        if refusal is not None:
+            print(refusal, file=sys.stderr)
+            return 1
         if args.action == "create":
             token, digest = new_token()
             try:
@@ -343,32 +377,38 @@ def prune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             before = None
         else:
             age, before = None, pruning.parse_timestamp(args.before)
-        archive = None if args.archive is None else pruning.Archive(args.archive)
+        if args.archive is not None:
+            pruning.check_archive(args.archive)
     except ValueError as exc:
         parser.error(str(exc))
     except FileExistsError:
         parser.error(f"the archive {args.archive} exists: an archive is never overwritten")
     except OSError as exc:
         parser.error(f"cannot write the archive {args.archive}: {exc.strerror or exc}")
-    try:
-        with database(Settings()) as url:
-            migrate(url)
-            return asyncio.run(_prune(url, args, age, before, archive))
-    finally:
-        if archive is not None:
-            archive.close()
+    with database(Settings()) as url:
+        return asyncio.run(_prune(url, args, age, before))
 
 
 async def _prune(
-    url: str,
-    args: argparse.Namespace,
-    age: timedelta | None,
-    before: datetime | None,
-    archive: pruning.Archive | None,
+    url: str, args: argparse.Namespace, age: timedelta | None, before: datetime | None
 ) -> int:
     async with await psycopg.AsyncConnection.connect(
         url, autocommit=True, row_factory=dict_row
     ) as conn:
+        refusal = await schema_refusal(conn, "prune")
+        if refusal is not None:
+            print(refusal, file=sys.stderr)
+            return 1
+        archive = None
+        if args.archive is not None and not args.dry_run:  # created only now, on a good schema
+            try:
+                archive = pruning.Archive(args.archive)
+            except OSError as exc:
+                print(
+                    f"cannot write the archive {args.archive}: {exc.strerror or exc}",
+                    file=sys.stderr,
+                )
+                return 2
 
         @asynccontextmanager
         async def connect() -> AsyncIterator[psycopg.AsyncConnection[dict[str, Any]]]:
@@ -388,6 +428,9 @@ async def _prune(
         except pruning.ArchiveFailed as exc:
             print(exc, file=sys.stderr)
             return 1
+        finally:
+            if archive is not None:
+                archive.close()
     assert pruned is not None  # only an exclusive prune gives way
     print(pruned.summary(cutoff, dry_run=args.dry_run, archive=args.archive))
     return 0
@@ -397,6 +440,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
     """Defaults after each option; the epilog's lines kept as written."""
 
 
+# Settings whose default follows from another's.
+DERIVED_DEFAULTS = {"pool_share_per_token": "default: half of STEPRECORD_POOL_SIZE, at least 1"}
 # Settings that `serve` takes from its own options rather than from the environment.
 SERVE_OPTIONS = {"host": "--host", "insecure_no_auth": "--insecure-no-auth"}
 
@@ -425,6 +470,8 @@ def environment_help() -> str:
         variable = setting_variable(name)
         if name in SERVE_OPTIONS:
             note = f"set by {SERVE_OPTIONS[name]}"
+        elif name in DERIVED_DEFAULTS:
+            note = DERIVED_DEFAULTS[name]
         else:
             default = field.get_default(call_default_factory=True)
             note = "unset" if default is None else f"default: {default}"
@@ -537,9 +584,9 @@ def run(args: argparse.Namespace, p_prune: argparse.ArgumentParser) -> int:
         print(openapi_json())
         return 0
     with database(Settings()) as url:
-        migrate(url)
-        if args.command == "token":
+        if args.command == "token":  # never migrates: see `schema_refusal`
             return asyncio.run(_token(args, url))
+        migrate(url)
         print(f"database {redact(url)} is at the migration head", file=sys.stderr)
     return 0
 

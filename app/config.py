@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     read_max_lag_seconds: float = Field(default=5.0, gt=0, le=3600)
     data_dir: Path = Field(default_factory=default_data_dir)
     pool_size: int = Field(default=10, ge=1, le=500)
+    # The connections of a worker's pool one token (or anonymous access) may hold at once;
+    # its requests beyond wait up to `db_timeout`, then 429. Unset: half the pool, at least 1.
+    pool_share_per_token: int | None = Field(default=None, ge=1, le=500)
     # Seconds a request may wait for a connection (or to open one) before it answers 503.
     db_timeout: float = Field(default=1.5, gt=0, le=30)
     # Seconds a request's statements may run (lock waits included) before they are cancelled

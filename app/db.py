@@ -12,6 +12,9 @@ setting, no startup parameter and no extra round trip, so it holds behind PgBoun
 transaction mode as well. A server that does not even answer the cancel within
 `CANCEL_GRACE` seconds is treated as lost.
 
+A request holds at most its token's share of the connections (app/shares.py); work that is
+no request's is not counted.
+
 While tracing is on (app/tracing.py), a request's use of a connection, from waiting for it
 to giving it back, is a client span of the request's span.
 """
@@ -28,7 +31,7 @@ from psycopg.types.array import ListBinaryDumper
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.pool import NullPool
 
-from app import tracing
+from app import shares, tracing
 
 AsyncConn = psycopg.AsyncConnection[dict[str, Any]]
 
@@ -38,11 +41,49 @@ SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
 
 
 class DatabaseUnavailable(Exception):
-    """PostgreSQL cannot be reached (or no connection came free) in time."""
+    """PostgreSQL cannot be reached (or no connection came free) in time.
+
+    Its text (`str(exc)`) is for the log only: the driver's message names the database's host,
+    port, user and database. `public` says what happened in words a client may read."""
+
+    def __init__(self, logged: str, public: str = "the database cannot be reached") -> None:
+        super().__init__(logged)
+        self.public = public
 
 
 class PoolExhausted(DatabaseUnavailable):
     """Every connection of the pool is in use: the database is busy, not down."""
+
+    def __init__(self, logged: str) -> None:
+        super().__init__(logged, "every database connection of this service is in use")
+
+
+# What a client is told of a statement the database refused as an outage, by SQLSTATE class
+# (or the whole code): never the driver's message, which names where the database is.
+PUBLIC_BY_SQLSTATE = {
+    "08": "the connection to the database was lost",
+    "57P01": "the database is shutting down",
+    "57P02": "the database is shutting down",
+    "57P03": "the database is starting up or not accepting connections",
+    "57014": "the database cancelled the statement",
+    "55P03": "a lock was not granted within the database's lock timeout",
+    "53": "the database is out of a resource (connections, memory or disk)",
+    "40": "the statement collided with a concurrent one",
+    "25006": "the database is read-only (a standby not promoted yet)",
+}
+
+
+def public_reason(exc: psycopg.Error) -> str:
+    """Why a statement failed as an outage, in words fit for a client (see `PUBLIC_BY_SQLSTATE`)."""
+    sqlstate = exc.sqlstate or ""
+    reason = PUBLIC_BY_SQLSTATE.get(sqlstate) or PUBLIC_BY_SQLSTATE.get(sqlstate[:2])
+    if reason is None and isinstance(exc, psycopg.OperationalError) and not sqlstate:
+        return "the connection to the database was lost"  # a broken socket has no SQLSTATE
+    return reason or "the database could not run the statement"
+
+
+class TokenBusy(PoolExhausted):
+    """Every connection of the request's share is in use by its own token (429, not 503)."""
 
 
 class Pool:
@@ -56,6 +97,7 @@ class Pool:
         prepare_threshold: int | None,
         on_change: Callable[[str, int], None] | None = None,
         tracer: tracing.Tracer | None = None,
+        share: int | None = None,
     ) -> None:
         self._on_change = on_change
         self._tracer = tracer
@@ -64,6 +106,8 @@ class Pool:
         self._statement_timeout = statement_timeout
         self._prepare_threshold = prepare_threshold
         self._slots = asyncio.Semaphore(size)
+        # Each principal's share of the connections (app/shares.py); None: no shares.
+        self._shares = None if share is None else shares.Shares(min(share, size))
         self._idle: list[AsyncConn] = []
         self.size = size
         self.in_use = 0
@@ -112,18 +156,58 @@ class Pool:
     async def _connection(self, wait: bool) -> AsyncIterator[AsyncConn]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout  # waiting for a slot and connecting, together
-        if not self._slots.locked():
-            await self._slots.acquire()  # a free slot is taken at once, without yielding
-        elif not wait:
-            raise PoolExhausted("every database connection is in use")
-        else:
-            self._changed(waiting=1)
-            try:
-                await asyncio.wait_for(self._slots.acquire(), self._timeout)
-            except TimeoutError:
-                raise PoolExhausted("no database connection came free in time") from None
-            finally:
-                self._changed(waiting=-1)
+        principal = None if self._shares is None else shares.PRINCIPAL.get()
+        share = None
+        if principal is not None:
+            share = await self._take_share(principal, deadline - loop.time() if wait else 0)
+        try:
+            if not self._slots.locked():
+                await self._slots.acquire()  # a free slot is taken at once, without yielding
+            elif not wait:
+                raise PoolExhausted("every database connection is in use")
+            else:
+                self._changed(waiting=1)
+                try:
+                    await asyncio.wait_for(self._slots.acquire(), deadline - loop.time())
+                except TimeoutError:
+                    raise PoolExhausted("no database connection came free in time") from None
+                finally:
+                    self._changed(waiting=-1)
+            async with self._connected(deadline, share) as conn:
+                yield conn
+        finally:
+            if share is not None and self._shares is not None:
+                share.slots.release()
+                self._shares.leave(share)
+
+    async def _take_share(self, principal: str, wait: float) -> shares.Share:
+        """A slot of the principal's share, within `wait` seconds: `TokenBusy` when its
+        connections are all busy, `PoolExhausted` when they are still coming (the database
+        is slow to give them: an outage answers 503, not 429)."""
+        assert self._shares is not None
+        share = self._shares.of(principal)
+        try:
+            taken = await self._shares.take(share, wait)
+        except BaseException:
+            self._shares.leave(share)
+            raise
+        if not taken:
+            saturated = share.saturated
+            self._shares.leave(share)
+            if saturated and wait > 0:
+                raise TokenBusy(
+                    f"this token already uses its {share.size} database connections of this"
+                    f" worker's {self.size} (STEPRECORD_POOL_SHARE_PER_TOKEN)"
+                )
+            raise PoolExhausted("no database connection came free in time")
+        return share
+
+    @asynccontextmanager
+    async def _connected(
+        self, deadline: float, share: shares.Share | None
+    ) -> AsyncIterator[AsyncConn]:
+        """A connection, once a slot of the pool is held (it gives the slot back)."""
+        loop = asyncio.get_running_loop()
         conn: AsyncConn | None = None
         try:
             conn = self._take_idle()
@@ -131,8 +215,11 @@ class Pool:
                 try:
                     conn = await asyncio.wait_for(self._connect(), deadline - loop.time())
                 except (psycopg.OperationalError, OSError, TimeoutError) as exc:
-                    raise DatabaseUnavailable(str(exc) or "connection timed out") from exc
+                    logged = str(exc) or "connecting timed out"
+                    raise DatabaseUnavailable(logged, "the database cannot be reached") from exc
             self._changed(in_use=1)
+            if share is not None:
+                share.connected += 1
             try:
                 # The first expiry cancels the statement; the second, if the server has not
                 # answered the cancel, makes psycopg close the connection.
@@ -142,17 +229,21 @@ class Pool:
             except psycopg.OperationalError as exc:
                 if lost(conn, exc):
                     self._discard_idle()
-                raise DatabaseUnavailable(str(exc)) from exc
+                raise DatabaseUnavailable(str(exc), public_reason(exc)) from exc
             except psycopg.errors.ReadOnlySqlTransaction as exc:  # a standby, until promoted
-                raise DatabaseUnavailable(str(exc)) from exc
+                raise DatabaseUnavailable(str(exc), public_reason(exc)) from exc
             except TimeoutError:
                 bound = f"{self._statement_timeout:g} s statement timeout"
                 if conn.closed:
                     self._discard_idle()
-                    raise DatabaseUnavailable(f"no answer from the database: {bound}") from None
-                raise DatabaseUnavailable(f"cancelled at the {bound}") from None
+                    text = f"no answer from the database within the {bound}"
+                    raise DatabaseUnavailable(text, text) from None
+                text = f"cancelled at the {bound}"
+                raise DatabaseUnavailable(text, text) from None
             finally:
                 self._changed(in_use=-1)
+                if share is not None:
+                    share.connected -= 1
         finally:
             if conn is not None:
                 if conn.closed or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:

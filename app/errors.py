@@ -1,6 +1,7 @@
 """One error shape: RFC 9457 problem+json with a stable `code`; the exception carries its status."""
 
 import difflib
+import logging
 import re
 from collections.abc import Iterable
 from http import HTTPStatus
@@ -12,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.routing import Route, compile_path
 
-from app.db import DatabaseUnavailable
+from app.db import DatabaseUnavailable, TokenBusy
 from app.domain import (
     ConstraintViolation,
     Contention,
@@ -26,6 +27,7 @@ from app.serialize import dumps
 
 PROBLEM_TYPE = "urn:steprecord:problem:"
 RETRY_AFTER_SECONDS = "1"
+log = logging.getLogger("steprecord.database")
 # What an instance key, step slug or error code may be, in words (the pattern in app.models).
 NAME_RULE = (
     "must be 1 to 200 characters: letters, digits, '.', '_', ':' or '-',"
@@ -57,6 +59,7 @@ TITLES = {
     "forbidden": "Token not allowed to do this",
     "outside_prefix": "Instance outside the token's key prefix",
     "too_many_streams": "Too many open streams for this token",
+    "token_busy": "Every database connection of this token's share in use",
     "unavailable": "Database unavailable",
     "internal_error": "Internal error",
 }
@@ -135,8 +138,23 @@ def to_problem(exc: Exception) -> Problem:
         return Problem(404, "instance_not_found", f"no instance {exc.args[0]!r}")
     if isinstance(exc, StepNotFound):
         return Problem(404, "step_not_found", f"no step {exc.args[0]!r} in this instance")
+    if isinstance(exc, TokenBusy):  # before its base, DatabaseUnavailable
+        return Problem(
+            429,
+            "token_busy",
+            f"{exc}: wait for this token's other requests to finish (Retry-After), send fewer at"
+            " once, or give each client a token of its own",
+        )
     if isinstance(exc, DatabaseUnavailable):
-        return Problem(503, "unavailable", f"the database is unavailable: {exc}")
+        # The driver's text names the database's host, port, user and database: it goes to
+        # the log only, where the request id (each log line's) ties it to this answer.
+        log.warning("database unavailable: %s", exc)
+        return Problem(
+            503,
+            "unavailable",
+            f"{exc.public}: retry after {RETRY_AFTER_SECONDS} s (the service's log has the"
+            " cause under this request's X-Request-ID)",
+        )
     if isinstance(exc, Contention):
         return Problem(503, "unavailable", str(exc))
     return Problem(500, "internal_error", "an unexpected error occurred")

@@ -20,9 +20,11 @@ from app import (
     live,
     observe,
     pruning,
+    readiness,
     replica,
     routes,
     schemas,
+    shares,
     sweeper,
     tracing,
     ui,
@@ -72,6 +74,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Tracing on: this worker exports its spans from now until it stops (app/tracing.py).
         tracer = None if provider is None else tracing.start(provider)
 
+        share = settings.pool_share_per_token or shares.default_share(settings.pool_size)
+
         def pool(conninfo: str, name: str) -> Pool:
             return Pool(
                 conninfo,
@@ -81,6 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 prepare_threshold=settings.prepare_threshold,
                 on_change=functools.partial(observe.pool_changed, name),
                 tracer=tracer,
+                share=share,
             )
 
         primary = pool(primary_url, "primary")
@@ -94,6 +99,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             refresh=settings.token_refresh_seconds,
         )
         app.state.pool, app.state.tokens, app.state.schema_head = primary, tokens, schema_head()
+        app.state.readiness = readiness.Readiness(primary)  # one check per second for /readyz
         # Every read path takes its connection here: `await app.state.read_pool.run(work)`.
         app.state.read_pool = reads
         app.state.hub, app.state.stream_heartbeat = live.Hub(), settings.stream_heartbeat_seconds

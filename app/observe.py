@@ -47,6 +47,10 @@ POOL = Gauge(
     ["pool", "state"],
     multiprocess_mode="livesum",
 )
+READINESS_CHECKS = Counter(
+    "steprecord_readiness_checks",
+    "Readiness checks run against the primary (each /readyz answers from one at most 1 s old).",
+)
 READS = Counter("steprecord_reads_total", "Reads by the database that served them.", ["pool"])
 PRUNED = Counter(
     "steprecord_pruned_instances",

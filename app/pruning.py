@@ -10,6 +10,7 @@ workers and service instances (a transaction-level advisory lock per batch).
 """
 
 import asyncio
+import errno
 import gzip
 import logging
 import os
@@ -58,7 +59,12 @@ class Pruned:
 
     def summary(self, cutoff: datetime, *, dry_run: bool, archive: Path | None) -> str:
         verb = "would delete" if dry_run else "deleted"
-        where = "" if archive is None else f", archived to {archive}"
+        if archive is None:
+            where = ""
+        elif dry_run:
+            where = f", would archive them to {archive} (a dry run writes no archive)"
+        else:
+            where = f", archived to {archive}"
         return (
             f"{verb} {self.instances} instances, {self.records} records and {self.attempts}"
             f" attempts last written before {cutoff.isoformat()}{where}"
@@ -77,6 +83,21 @@ class ArchiveFailed(Exception):
         self.pruned = pruned
 
 
+def check_archive(path: Path) -> None:
+    """Refuse, before anything is read, a path `Archive` could not create: not a .jsonl or
+    .jsonl.gz name (ValueError), an existing file (FileExistsError), a directory that is
+    missing or not writable (OSError). It creates nothing: a dry run writes no archive."""
+    if not path.name.endswith(ARCHIVE_SUFFIXES):
+        raise ValueError(f"an archive is a .jsonl or .jsonl.gz file, not {path.name!r}")
+    if path.exists():
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
+    directory = path.parent
+    if not directory.is_dir():
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(directory))
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(directory))
+
+
 class Archive:
     """A new `.jsonl` or `.jsonl.gz` file (never an existing one), one line per instance.
 
@@ -86,11 +107,9 @@ class Archive:
     deleted."""
 
     def __init__(self, path: Path) -> None:
-        if not path.name.endswith(ARCHIVE_SUFFIXES):
-            raise ValueError(f"an archive is a .jsonl or .jsonl.gz file, not {path.name!r}")
+        check_archive(path)
         self.path = path
         self._compress = path.name.endswith(".gz")
-        # Opened now, so a path that cannot be written fails before anything is read.
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self._end = 0  # the end of the last batch made durable
 

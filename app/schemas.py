@@ -134,6 +134,9 @@ def problem_media_types(document: dict[str, Any]) -> dict[str, Any]:
     return document
 
 
+BUSY = _problem("This token's share of the database connections is in use (with Retry-After)")
+
+
 def event_responses() -> dict[int | str, dict[str, Any]]:
     return {
         200: {"model": Record, "description": "Applied to, or replayed on, an existing record"},
@@ -145,6 +148,7 @@ def event_responses() -> dict[int | str, dict[str, Any]]:
         ),
         413: _problem("Output or body too large"),
         422: _problem("Invalid request"),
+        429: BUSY,
         503: _problem("Database unavailable"),
     }
 
@@ -154,6 +158,7 @@ def read_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
         200: {"model": model, "description": "OK"},
         404: _problem("Instance or step not found"),
         422: _problem("Invalid request"),
+        429: BUSY,
         503: _problem("Database unavailable"),
     }
 
@@ -164,6 +169,7 @@ def delete_responses() -> dict[int | str, dict[str, Any]]:
         404: _problem("Instance not found"),
         409: _problem("instance_active: a step is running (send force=true to delete anyway)"),
         422: _problem("Invalid request"),
+        429: BUSY,
         503: _problem("Database unavailable"),
     }
 
@@ -214,7 +220,9 @@ def stream_responses() -> dict[int | str, dict[str, Any]]:
         },
         404: _problem("Instance not found"),
         422: _problem("Invalid request (a garbled event id)"),
-        429: _problem("Too many open streams for this token (with Retry-After)"),
+        429: _problem(
+            "Too many open streams for this token, or its connections all in use (with Retry-After)"
+        ),
         503: _problem("Database unavailable"),
     }
 
@@ -275,6 +283,7 @@ def batch_responses() -> dict[int | str, dict[str, Any]]:
         400: _problem("Body is not JSON"),
         413: _problem("Body over 16 MiB"),
         422: _problem("Malformed envelope"),
+        429: BUSY,
         503: _problem("Database unavailable"),
     }
 

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app import cursors, domain, sessions, static, tenancy
 from app import timeline as timescale
 from app.data import dashboard, reads, running, stats
+from app.data.dashboard import LANE_ATTEMPTS
 from app.db import AsyncConn
 from app.errors import Problem
 from app.limits import NAME_RE
@@ -102,6 +103,25 @@ def ago(value: datetime | None, now: datetime) -> str:
 def pretty(output: str | None) -> str:
     """A stored output (JSON text), indented for reading."""
     return "" if output is None else json.dumps(json.loads(output), indent=2, ensure_ascii=False)
+
+
+def shown_attempt(attempt: dict[str, Any], api: str) -> dict[str, Any]:
+    """An attempt as the step page shows it: an output within `OUTPUT_HEAD` bytes whole and
+    pretty-printed, a larger one's first `OUTPUT_HEAD` bytes as stored, with a link to the
+    attempt in the API (`api`: the step's URL there)."""
+    size = attempt["output_bytes"]
+    if size is not None and size > dashboard.OUTPUT_HEAD:
+        head = attempt["output"].encode()[: dashboard.OUTPUT_HEAD].decode(errors="ignore")
+        after = (
+            ""
+            if attempt["attempt"] == 1
+            else "&cursor=" + cursors.attempts_cursor({"attempt": attempt["attempt"] - 1})
+        )
+        attempt["output"] = head
+        attempt["output_href"] = f"{api}/attempts?limit=1{after}"
+    else:
+        attempt["output"] = None if size is None else pretty(attempt["output"])
+    return attempt
 
 
 def link_url(url: str | None) -> str | None:
@@ -427,6 +447,9 @@ async def instance_page(request: Request, instance_key: str) -> Response:
         records=records,
         more=more,
         max_steps=MAX_STEPS,
+        # Steps retried more often than a lane draws: their newest attempts only.
+        cut=sum(r["attempt_count"] > len(r["attempts"]) == LANE_ATTEMPTS for r in records),
+        lane_attempts=LANE_ATTEMPTS,
         timeline=timeline(instance_key, records, datetime.now(UTC)),
         stream=f"/v1/instances/{quote(instance_key, safe='')}/stream",
         parts=path("instances", instance_key, "parts"),
@@ -454,13 +477,12 @@ async def instance_parts(request: Request, instance_key: str) -> Response:
 async def step_page(request: Request, instance_key: str, step_slug: str) -> Response:
     if not (NAME_RE.fullmatch(instance_key) and NAME_RE.fullmatch(step_slug)):
         return not_found(request, "No step has that name.")
+    api = "/v1" + path("instances", instance_key, "steps", step_slug).removeprefix("/ui")
     async with read_connection(request) as conn:
         try:
             tenancy.check_read(request.scope, instance_key)
             record = await reads.get_step(conn, instance_key, step_slug)
-            page = await reads.list_attempts(
-                conn, instance_key, step_slug, after=None, limit=MAX_STEPS
-            )
+            attempts, total = await dashboard.step_attempts(conn, record["id"], limit=MAX_STEPS)
         except domain.InstanceNotFound:
             return not_found(request, f"No instance has the key {instance_key!r}.")
         except domain.StepNotFound:
@@ -470,8 +492,9 @@ async def step_page(request: Request, instance_key: str, step_slug: str) -> Resp
         "step.html",
         title=f"{step_slug} · {instance_key}",
         record=record,
-        attempts=page.items,
-        more=page.last is not None,
+        attempts=[shown_attempt(a, api) for a in attempts],
+        older=total - len(attempts),
+        api=api,
         trace_url=request.app.state.trace_url,
     )
 

@@ -80,7 +80,9 @@ def post(raw: httpx.Client, key: str, slug: str, kind: str, **body: Any) -> http
 
 Plan = Callable[[str, str], str]
 """Decides per request (method, path): "forward", "drop" (forward, then close the
-connection without answering) or "503" (answer 503 without forwarding)."""
+connection without answering), "503" or "429" (answer that without forwarding)."""
+# The answers a plan can simulate: a database outage, and a token whose connections are busy.
+SIMULATED = {"503": (503, "unavailable"), "429": (429, "token_busy")}
 
 
 class _ProxyHandler(socketserver.StreamRequestHandler):
@@ -101,12 +103,13 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
             with proxy.lock:
                 proxy.log.append((method, target, headers))
                 action = proxy.plan(method, target)
-            if action == "503":
+            if action in SIMULATED:
+                status, code = SIMULATED[action]
                 self._answer(
-                    503,
+                    status,
                     {"Content-Type": "application/problem+json", "Retry-After": "0"},
-                    b'{"type":"about:blank","title":"Unavailable","status":503,'
-                    b'"code":"unavailable","detail":"simulated"}',
+                    b'{"type":"about:blank","title":"Simulated","status":%d,'
+                    b'"code":"%s","detail":"simulated"}' % (status, code.encode()),
                 )
                 continue
             forward = {k: v for k, v in headers.items() if k in ("content-type", "accept")}
@@ -716,6 +719,23 @@ def test_503_answers_are_retried(server_url: str, raw: httpx.Client) -> None:
         assert flaky.requests("POST", "/retry-me/start") == 2
 
     assert must_get(raw, "order-19", "retry-me")["attempt_count"] == 1
+
+
+def test_429_token_busy_answers_are_retried(server_url: str, raw: httpx.Client) -> None:
+    with (
+        proxy(server_url, first_time("POST", "/start", "429")) as busy,
+        Recorder(busy.url, **FAST) as recorder,
+    ):
+
+        @recorder.step("wait-my-turn")
+        def wait_my_turn() -> int:
+            return 8
+
+        with recorder.instance("order-19b"):
+            assert wait_my_turn() == 8
+        assert busy.requests("POST", "/wait-my-turn/start") == 2
+
+    assert must_get(raw, "order-19b", "wait-my-turn")["attempt_count"] == 1
 
 
 def test_503_outlasting_the_retries_raises_step_record_error(server_url: str) -> None:

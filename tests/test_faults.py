@@ -136,9 +136,8 @@ def test_held_row_lock_answers_503_within_the_statement_timeout_and_keeps_the_po
         assert httpx.post(f"{url}/v1/instances/{key}/steps/a/start").status_code == 201
         with row_locked(own_database, key, "a"):
             response, seconds, seen = complete_while_locked(url, key, watcher, name)
-            assert problem(response, 503, "unavailable")["detail"].endswith(
-                "cancelled at the 1 s statement timeout"
-            )
+            detail = problem(response, 503, "unavailable")["detail"]
+            assert detail.startswith("cancelled at the 1 s statement timeout: retry after 1 s")
             assert response.headers["retry-after"]
             assert STATEMENT_TIMEOUT <= seconds < WITHIN_BOUND
             assert lock_waits(watcher) == 0, "the statement still waits in the server"
@@ -363,13 +362,17 @@ def test_database_that_stops_answering_mid_session_gets_503_within_2_seconds_and
             with httpx.Client(base_url=url, timeout=30) as client:
                 assert client.post(f"/v1/instances/{key}/steps/a/start").status_code == 201
                 proxy.freeze()
+                # /readyz answers from a check at most a second old: the last one, before the
+                # freeze, may still answer for it.
+                eventually(lambda: client.get("/readyz").status_code == 503, seconds=5)
                 paths = [f"/v1/instances/{key}/steps/b{i}/start" for i in range(8)]
                 paths += [f"/v1/instances/{key}/steps", "/readyz"] * 3
                 assert_prompt_503s(hammer(url, paths, seconds=4))
                 proxy.thaw()
                 path = f"/v1/instances/{key}/steps/c/start"
                 eventually(lambda: client.post(path).status_code == 201, seconds=5)
-                assert client.get("/readyz").status_code == 200
+                # /readyz answers from a check at most a second old.
+                eventually(lambda: client.get("/readyz").status_code == 200, seconds=2)
         finally:
             stop(proc)
 
@@ -543,3 +546,89 @@ def test_batch_cut_by_an_outage_midway_ends_as_a_clean_run_when_sent_again(
             assert again.status_code == 200
             assert all(r["status"] in (200, 201) for r in again.json()["results"])
             assert facts(client, cut) == facts(client, clean)
+
+
+@contextmanager
+def role_and_database(server_dsn: str, stem: str) -> Iterator[tuple[str, str]]:
+    """A login role and a database named after `stem`, dropped afterwards: (role, database)."""
+    role, name = f"{stem}_role", f"{stem}_db"
+    with psycopg.connect(server_dsn, autocommit=True) as admin:
+        admin.execute(f'CREATE ROLE "{role}" LOGIN SUPERUSER')
+        admin.execute(f'CREATE DATABASE "{name}" OWNER "{role}"')
+    try:
+        yield role, name
+    finally:
+        with psycopg.connect(server_dsn, autocommit=True) as admin:
+            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+
+
+def test_problems_never_carry_the_database_s_host_port_user_or_name(
+    server_dsn: str, tmp_path: Path
+) -> None:
+    """The driver's message names where the database is: the log has it, under the request's
+    id; the answers (API, readiness, batch, dashboard) say what happened in other words."""
+    stem = "leak_" + uuid.uuid4().hex[:8]
+    log = tmp_path / "service.log"
+    with role_and_database(server_dsn, stem) as (role, name), log.open("wb") as out:
+        where = psycopg.conninfo.conninfo_to_dict(server_dsn)
+        host, port = str(where.get("host") or "localhost"), str(where.get("port") or 5432)
+        url = psycopg.conninfo.make_conninfo(
+            server_dsn, user=role, dbname=name, application_name=stem
+        )
+        with (
+            serving(url, env=BOUNDED, stdout=out) as base,
+            psycopg.connect(server_dsn, autocommit=True) as admin,
+        ):
+            assert httpx.post(f"{base}/v1/instances/k/steps/a/start").status_code == 201
+            secrets = (host, port, role, name)
+            sent = 0
+
+            def refused(trigger: str) -> bool:
+                """Every kind of request answers without connection details; true once each
+                is a 503 and the log names `trigger` under one of their request ids."""
+                nonlocal sent
+                ids, statuses = [], []
+                for method, path, body in [
+                    ("POST", "/v1/instances/k/steps/b/start", None),
+                    ("GET", "/v1/instances", None),
+                    ("GET", "/readyz", None),
+                    ("GET", "/ui", None),
+                    (
+                        "POST",
+                        "/v1/events",
+                        {"events": [{"instance_key": "k", "step_slug": "c", "kind": "start"}]},
+                    ),
+                ]:
+                    sent += 1
+                    rid = f"{stem}-{sent}"
+                    ids.append(rid)
+                    answer = httpx.request(
+                        method, base + path, json=body, headers={"X-Request-ID": rid}, timeout=10
+                    )
+                    statuses.append(answer.status_code)
+                    for secret in secrets:
+                        assert secret not in answer.text, (path, secret, answer.text)
+                # /readyz may answer from a check of the last second, before the fault.
+                return statuses == [503] * len(statuses) and logged(
+                    log,
+                    lambda line: (
+                        line.get("request_id") in ids
+                        and line.get("logger") == "steprecord.database"
+                        and trigger in line.get("message", "")
+                    ),
+                )
+
+            # The database refuses new sessions, then the role may no longer log in: each
+            # time the driver's message names them (and where the server is).
+            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+            terminate_sessions(admin, stem)
+            eventually(lambda: refused(f'database "{name}"'), seconds=10)
+            assert logged(
+                log, lambda line: host in line.get("message", "") and port in line["message"]
+            )
+            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+            admin.execute(f'ALTER ROLE "{role}" NOLOGIN')
+            terminate_sessions(admin, stem)
+            eventually(lambda: refused(f'role "{role}"'), seconds=10)

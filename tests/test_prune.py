@@ -115,6 +115,29 @@ def test_a_dry_run_deletes_nothing_and_says_what_would_go(
     assert exists(client, "old-done")
 
 
+@pytest.mark.usefixtures("aged")
+def test_a_dry_run_with_an_archive_writes_no_file_and_says_what_it_would_archive(
+    client: httpx.Client, database_url: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "archive.jsonl.gz"
+    done = steprecord(
+        database_url, "prune", "--older-than", "2d", "--dry-run", "--archive", str(path)
+    )
+    assert done.returncode == 0, done.stderr
+    assert not path.exists()
+    assert done.stdout.startswith("would delete 1 instances, 2 records and 3 attempts")
+    assert f"would archive them to {path} (a dry run writes no archive)" in done.stdout
+    assert exists(client, "old-done")
+    # The path is still checked as a real run would check it.
+    path.write_text("kept\n")
+    again = steprecord(
+        database_url, "prune", "--older-than", "2d", "--dry-run", "--archive", str(path)
+    )
+    assert again.returncode == 2
+    assert "is never overwritten" in again.stderr
+    assert path.read_text() == "kept\n"
+
+
 @pytest.mark.parametrize("name", ["archive.jsonl", "archive.jsonl.gz"])
 def test_the_archive_holds_each_deleted_instance_with_its_records_and_attempts(
     client: httpx.Client, database_url: str, tmp_path: Path, name: str

@@ -22,7 +22,10 @@ from app.main import create_app, schema_head
 from tests.helpers import (
     BEHIND_PGBOUNCER,
     ROOT,
+    counter,
+    eventually,
     free_port,
+    metrics,
     migrated_database,
     pgbouncer,
     start_server,
@@ -266,7 +269,8 @@ def test_readyz_is_503_until_the_schema_is_at_head(scratch_database: str) -> Non
         assert ready.status_code == 503
         assert ready.json()["code"] == "unavailable"
         migrate(scratch_database)
-        assert httpx.get(f"{url}/readyz").status_code == 200
+        # Its answer comes from a check at most a second old.
+        eventually(lambda: httpx.get(f"{url}/readyz").status_code == 200, seconds=2)
     finally:
         stop(proc)
 
@@ -285,14 +289,14 @@ def test_outage_answers_503_fast_and_recovers_by_itself(own_postgres: EmbeddedPo
                 assert down.status_code == 503
                 assert down.json()["code"] == "unavailable"
                 assert down.headers["retry-after"]
-            assert client.get("/readyz").status_code == 503
+            eventually(lambda: client.get("/readyz").status_code == 503, seconds=2)
             assert client.get("/healthz").status_code == 200
             own_postgres.start()
             back = time.monotonic()
             while client.post("/v1/instances/r/steps/c/start").status_code != 201:
                 assert time.monotonic() - back < 1, "no recovery within a second"
                 time.sleep(0.02)
-            assert client.get("/readyz").status_code == 200
+            eventually(lambda: client.get("/readyz").status_code == 200, seconds=2)
             steps = client.get("/v1/instances/r/steps").json()["items"]
             assert [s["step_slug"] for s in steps] == ["a", "c"]
     finally:
@@ -408,3 +412,44 @@ def test_answers_are_the_same_with_and_without_prepared_statements(server_dsn: s
                 stop(proc)
     assert answers[0] == answers[1]
     assert {status for status, _ in answers[0]} >= {200, 201, 404, 409, 422}
+
+
+READINESS_CHECKS = "steprecord_readiness_checks_total"
+
+
+def flood(url: str, requests: int, concurrency: int) -> tuple[list[int], float]:
+    """`requests` GET /readyz, `concurrency` at a time, while one write goes through: the
+    statuses (the write's last) and the seconds the flood took."""
+
+    async def send() -> tuple[list[int], float]:
+        limits = httpx.Limits(max_connections=concurrency + 1)
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as client:
+            began = time.monotonic()
+            answers = await asyncio.gather(
+                *(client.get("/readyz") for _ in range(requests)),
+                client.post("/v1/instances/flooded/steps/a/start"),
+            )
+            return [a.status_code for a in answers], time.monotonic() - began
+
+    return asyncio.run(send())
+
+
+def test_a_flood_of_readyz_runs_about_one_check_a_second_and_writes_go_on(
+    own_postgres: EmbeddedPostgres,
+) -> None:
+    migrate(own_postgres.url)
+    url, proc = start_server(own_postgres.url)
+    try:
+        before = counter(metrics(url), READINESS_CHECKS)
+        statuses, seconds = flood(url, requests=300, concurrency=150)
+        checks = counter(metrics(url), READINESS_CHECKS) - before
+        assert statuses == [200] * 300 + [201]
+        # A check's result answers for a second from when it began, and callers meanwhile
+        # await the one in flight.
+        assert 1 <= checks <= seconds + 2, f"{checks} checks in {seconds:.1f} s"
+        own_postgres.stop()
+        eventually(lambda: httpx.get(f"{url}/readyz").status_code == 503, seconds=2)
+        own_postgres.start()
+        eventually(lambda: httpx.get(f"{url}/readyz").status_code == 200, seconds=2)
+    finally:
+        stop(proc)

@@ -55,11 +55,13 @@ def read_response(sock: socket.socket) -> bytes:
     return head
 
 
-def trickle_until_closed(sock: socket.socket, client: httpx.Client) -> tuple[float, bytes]:
+def trickle_until_closed(
+    sock: socket.socket, client: httpx.Client, began: float
+) -> tuple[float, bytes]:
     """Send one more header line whenever the server has said nothing for a fifth of a second,
     with a normal request from another connection in between, until the server closes the
-    connection: the seconds that took, and what the server sent."""
-    began = time.monotonic()
+    connection: the seconds since `began` (a moment before the server's deadline started), and
+    what the server sent."""
     sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: steprecord\r\n")
     received = b""
     while time.monotonic() - began < 10 * HEADER_TIMEOUT:
@@ -82,11 +84,16 @@ def trickle_until_closed(sock: socket.socket, client: httpx.Client) -> tuple[flo
 def test_a_client_trickling_its_headers_is_cut_off_while_others_are_served(
     url: str, kept_alive: bool
 ) -> None:
-    with raw_connection(url) as sock, httpx.Client(base_url=url, timeout=5) as client:
-        if kept_alive:  # a first request answered normally; the deadline is per request
-            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: steprecord\r\n\r\n")
-            assert read_response(sock).startswith(b"HTTP/1.1 200")
-        took, said = trickle_until_closed(sock, client)
+    # The server's deadline starts when it accepts the connection, or (kept alive) once it has
+    # answered the first request: `began` is taken before either, so the server cannot have
+    # cut the connection before the deadline and still pass.
+    with httpx.Client(base_url=url, timeout=5) as client:
+        began = time.monotonic()
+        with raw_connection(url) as sock:
+            if kept_alive:  # a first request answered normally; the deadline is per request
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: steprecord\r\n\r\n")
+                assert read_response(sock).startswith(b"HTTP/1.1 200")
+            took, said = trickle_until_closed(sock, client, began)
     assert HEADER_TIMEOUT * 0.9 <= took < HEADER_TIMEOUT + 4, took
     assert said.startswith(b"HTTP/1.1 408"), said
 

@@ -164,6 +164,56 @@ def test_the_step_page_shows_every_attempt_with_its_error_and_output(
     assert "2026-12-02 10:00:00 UTC" in page
 
 
+def fail_attempts(client: httpx.Client, count: int, message: str | None = None) -> None:
+    """`count` failed attempts of order-1/charge, each with `message` when given."""
+    for attempt in range(1, count + 1):
+        assert post(client, "start", {"attempt": attempt}).is_success
+        failure = {"attempt": attempt, "error_code": "E"}
+        assert post(client, "fail", failure | ({"error_message": message} if message else {}))
+
+
+def test_the_step_page_shows_a_large_output_cut_at_64_kib_with_a_link_to_all_of_it(
+    client: httpx.Client,
+) -> None:
+    fail_attempts(client, 1)
+    output = {"blob": "x" * 200_000}
+    assert post(client, "start", {"attempt": 2}).is_success
+    assert post(client, "complete", {"attempt": 2, "output": output}).is_success
+    page = unescape(html(client, "/ui/instances/order-1/steps/charge"))
+    size = len('{"blob": ""}') + 200_000
+    assert f"Showing the first 64 KiB of {size:,} bytes; full output at" in page
+    assert len(page) < 100_000  # the output is not all there
+    link = re.search(r'href="(/v1/instances/order-1/steps/charge/attempts\?[^"]+)"', page)
+    assert link is not None
+    (whole,) = client.get(link[1]).json()["items"]  # the link leads to that attempt alone
+    assert (whole["attempt"], whole["output"]) == (2, output)
+
+
+def test_the_step_page_shows_the_newest_attempts_within_4_mib_and_says_how_many_it_left_out(
+    client: httpx.Client,
+) -> None:
+    fail_attempts(client, 80, "m" * 65536)  # 5 MiB of error messages
+    page = html(client, "/ui/instances/order-1/steps/charge")
+    shown = [int(n) for n in re.findall(r"<h2>Attempt (\d+) ", page)]
+    assert shown == list(range(80, 80 - len(shown), -1))  # the newest, newest first
+    assert len(shown) == 4 * 1024 * 1024 // 65536
+    assert len(page) < 5 * 1024 * 1024
+    older = 80 - len(shown)
+    assert f"{older} older attempts not shown" in page
+    assert 'href="/v1/instances/order-1/steps/charge/attempts"' in page
+
+
+def test_the_instance_page_draws_the_newest_50_attempts_of_a_step_and_says_so(
+    client: httpx.Client,
+) -> None:
+    fail_attempts(client, 60)
+    assert post(client, "start", {"attempt": 1}, step="ship").is_success
+    page = html(client, "/ui/instances/order-1")
+    lane = re.findall(r'data-attempt="(\d+)"', page)
+    assert sorted(map(int, lane)) == [1, *range(11, 61)]  # ship's one, charge's newest 50
+    assert "1 step has more than 50 attempts: the timeline draws the newest 50" in page
+
+
 def test_outputs_and_errors_are_text_never_markup(client: httpx.Client) -> None:
     assert post(client, "start", None, "x-1", "a").is_success
     output = {"html": SCRIPT, "img": IMAGE}
@@ -542,9 +592,12 @@ def test_each_instance_filter_is_served_by_an_index(
     assert "Seq Scan" not in text, text
 
 
-def test_the_instance_page_reads_steps_and_attempts_by_index(many_instances: Any) -> None:
-    for query in (dashboard.INSTANCE_STEPS, dashboard.INSTANCE_ATTEMPTS):
-        params = {"instance_id": 500, "limit": 1001, "last_ordinal": 2}
+def test_the_instance_and_step_pages_read_steps_and_attempts_by_index(
+    many_instances: Any,
+) -> None:
+    queries = (dashboard.INSTANCE_STEPS, dashboard.INSTANCE_ATTEMPTS, dashboard.STEP_ATTEMPTS)
+    for query in queries:
+        params = {"instance_id": 500, "limit": 1001, "last_ordinal": 2, "record_id": 500}
         text = plan(many_instances, query, params)
         assert "Seq Scan" not in text, text
 

@@ -22,21 +22,30 @@ WHERE r.instance_id = %(instance_id)s
 ORDER BY r.ordinal
 LIMIT %(limit)s
 """
+# The newest `LANE_ATTEMPTS` of each step, oldest first (a step retried without end does not
+# make the page read every attempt it ever had).
+LANE_ATTEMPTS = 50
 INSTANCE_ATTEMPTS = f"""
-SELECT a.record_id, a.attempt, a.status, a.started_at, a.completed_at, a.error_code,
-       {ERROR_LINE.format(m="a.error_message")}
+SELECT r.id AS record_id, a.*
 FROM workflow_step_record r
-JOIN workflow_step_attempt a ON a.instance_id = r.instance_id AND a.record_id = r.id
+CROSS JOIN LATERAL (
+    SELECT a.attempt, a.status, a.started_at, a.completed_at, a.error_code,
+           {ERROR_LINE.format(m="a.error_message")}
+    FROM workflow_step_attempt a
+    WHERE a.instance_id = %(instance_id)s AND a.record_id = r.id
+    ORDER BY a.attempt DESC
+    LIMIT {LANE_ATTEMPTS}
+) a
 WHERE r.instance_id = %(instance_id)s AND r.ordinal <= %(last_ordinal)s
-ORDER BY a.record_id, a.attempt
+ORDER BY r.id, a.attempt
 """
 
 
 async def instance_steps(
     conn: AsyncConn, instance_id: int, *, limit: int
 ) -> tuple[list[dict[str, Any]], bool]:
-    """The first `limit` records of an instance in ordinal order, each with `attempts` (every
-    attempt, oldest first); True when the instance has more."""
+    """The first `limit` records of an instance in ordinal order, each with `attempts` (its
+    newest `LANE_ATTEMPTS`, oldest first); True when the instance has more."""
     cur = await conn.execute(INSTANCE_STEPS, {"instance_id": instance_id, "limit": limit + 1})
     records = await cur.fetchall()
     more = len(records) > limit
@@ -56,6 +65,45 @@ async def instance_steps(
         if owner is not None:
             owner["attempts"].append(attempt)
     return records, more
+
+
+# The step page: an output's first `OUTPUT_HEAD` bytes (the API has it whole), and attempts
+# newest first until what they show (outputs so cut, error messages) passes `ATTEMPTS_BUDGET`
+# bytes, always the newest; each with `total`, how many attempts the step has in all.
+OUTPUT_HEAD = 64 * 1024
+ATTEMPTS_BUDGET = 4 * 1024 * 1024
+STEP_ATTEMPTS = f"""
+SELECT a.attempt, a.status, a.started_at, a.completed_at, a.lease_expires_at, a.error_code,
+       a.error_message, a.external_output_url, a.trace_id,
+       left(a.output::text, {OUTPUT_HEAD}) AS output,
+       octet_length(a.output::text) AS output_bytes, a.total
+FROM (
+    SELECT a.*, count(*) OVER () AS total,
+           sum(least(coalesce(octet_length(a.output::text), 0), {OUTPUT_HEAD})
+               + coalesce(octet_length(a.error_message), 0))
+               OVER (ORDER BY a.attempt DESC) AS shown_bytes,
+           row_number() OVER (ORDER BY a.attempt DESC) AS newest
+    FROM workflow_step_attempt a
+    WHERE a.record_id = %(record_id)s
+) a
+WHERE a.newest = 1 OR a.shown_bytes <= {ATTEMPTS_BUDGET}
+ORDER BY a.attempt DESC
+LIMIT %(limit)s
+"""
+
+
+async def step_attempts(
+    conn: AsyncConn, record_id: int, *, limit: int
+) -> tuple[list[dict[str, Any]], int]:
+    """A step's newest attempts within `ATTEMPTS_BUDGET` (at most `limit`), newest first,
+    each output cut to its first `OUTPUT_HEAD` characters with its size in `output_bytes`;
+    and how many attempts it has in all."""
+    cur = await conn.execute(STEP_ATTEMPTS, {"record_id": record_id, "limit": limit})
+    attempts = await cur.fetchall()
+    total = int(attempts[0].pop("total")) if attempts else 0
+    for attempt in attempts[1:]:
+        del attempt["total"]
+    return attempts, total
 
 
 def failed_of_step_query(*, prefix: bool) -> str:

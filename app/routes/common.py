@@ -14,7 +14,15 @@ from app.errors import Problem, validation_problem
 from app.limits import MAX_OUTPUT_BYTES, NAME_PATTERN
 from app.models import STATUSES
 from app.replica import ReadPool
-from app.serialize import MAX_DEPTH, BadJSON, UnacceptableJSON, dumps, loads, parse_timestamp
+from app.serialize import (
+    MAX_DEPTH,
+    MAX_PAGE_BYTES,
+    BadJSON,
+    UnacceptableJSON,
+    dumps,
+    loads,
+    parse_timestamp,
+)
 
 MAX_BODY_BYTES = 2 * 1024 * 1024
 MAX_BATCH_BYTES = 16 * 1024 * 1024
@@ -61,7 +69,19 @@ class KnownQuery(APIRoute):
 
 InstanceKey = Annotated[str, Path(pattern=NAME_PATTERN, max_length=200)]
 MAX_LIMIT = 1000
+# How many items a list answers at most.
 Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT)]
+# ... on a page, which stops early rather than pass MAX_PAGE_BYTES.
+PageLimit = Annotated[
+    int,
+    Query(
+        ge=1,
+        le=MAX_LIMIT,
+        description=f"At most this many items. A page may hold fewer: it stops before its body"
+        f" would pass {MAX_PAGE_BYTES >> 20} MiB (always holding at least one item); follow"
+        " `next_cursor` until it is null to read them all",
+    ),
+]
 Fields = Literal["full", "summary"]
 StatusFilter = Annotated[
     str | None, Query(description="Comma-separated statuses, e.g. running,failed")

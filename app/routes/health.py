@@ -4,7 +4,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from app import observe, schemas, tenancy
-from app.data import revision, running
+from app.data import running
 from app.db import DatabaseUnavailable
 from app.errors import Problem
 from app.routes.common import KnownQuery, json_response, primary_pool
@@ -46,8 +46,7 @@ async def healthz() -> Response:
 )
 async def readyz(request: Request) -> Response:
     state = request.app.state
-    async with primary_pool(request).connection() as conn:
-        current = await revision.schema_revision(conn)
+    current = await state.readiness.schema_revision()  # shared by this second's callers
     if current not in state.schema_accepted:
         detail = _schema_mismatch(current, state.schema_head, state.schema_known)
         raise Problem(503, "unavailable", detail)

@@ -12,7 +12,7 @@ from app.errors import Problem
 from app.routes.common import (
     InstanceKey,
     KnownQuery,
-    Limit,
+    PageLimit,
     json_response,
     primary_pool,
     read_pool,
@@ -41,7 +41,7 @@ async def get_instance(request: Request, instance_key: InstanceKey) -> Response:
 )
 async def list_instances(
     request: Request,
-    limit: Limit = 100,
+    limit: PageLimit = 100,
     cursor: str | None = None,
 ) -> Response:
     before = None if cursor is None else cursors.instances_position(cursor)

@@ -17,7 +17,7 @@ from app.routes.common import (
     Fields,
     InstanceKey,
     KnownQuery,
-    Limit,
+    PageLimit,
     QueryTimestamp,
     StatusFilter,
     StepSlug,
@@ -25,7 +25,7 @@ from app.routes.common import (
     read_pool,
     statuses,
 )
-from app.serialize import attempt_json, page_json, record_json
+from app.serialize import attempt_json, dumps_page, record_json, shown
 
 router = APIRouter(route_class=KnownQuery)
 
@@ -33,10 +33,10 @@ Item = dict[str, Any]
 
 
 def _page(page: Page, render: Callable[[Item], Item], cursor: Callable[[Item], str]) -> Response:
-    """A list answer: the page's items rendered, and the cursor of the next page, if any."""
-    next_cursor = None if page.last is None else cursor(page.last)
-    items = [render(item) for item in page.items]
-    return json_response({"items": items, "next_cursor": next_cursor})
+    """A list answer: the page's items rendered, and the cursor of the next page, if any; it
+    stops early, with the cursor after its last item, rather than pass `MAX_PAGE_BYTES`."""
+    body = dumps_page(page.items, render, page.last, cursor)
+    return Response(body, media_type="application/json")
 
 
 @router.get(
@@ -50,7 +50,7 @@ async def list_steps(
     instance_key: InstanceKey,
     order: Literal["ordinal", "started_at"] = "ordinal",
     status: StatusFilter = None,
-    limit: Limit = 100,
+    limit: PageLimit = 100,
     cursor: str | None = None,
     fields: Fields = "full",
 ) -> Response:
@@ -62,9 +62,8 @@ async def list_steps(
             conn, instance_key, order=order, after=after, statuses=only, limit=limit
         )
     )
-    next_cursor = None if page.last is None else cursors.steps_cursor(order, page.last)
-    items = page_json(page.items, fields == "summary")
-    return json_response({"items": items, "next_cursor": next_cursor})
+    summary = fields == "summary"
+    return _page(page, lambda r: shown(r, summary), lambda r: cursors.steps_cursor(order, r))
 
 
 @router.get(
@@ -94,7 +93,7 @@ async def list_attempts(
     request: Request,
     instance_key: InstanceKey,
     step_slug: StepSlug,
-    limit: Limit = 100,
+    limit: PageLimit = 100,
     cursor: str | None = None,
     fields: Fields = "full",
 ) -> Response:
@@ -188,7 +187,7 @@ async def list_recent_steps(
             " longest-running first (instead of newest updated_at first)",
         ),
     ] = None,
-    limit: Limit = 100,
+    limit: PageLimit = 100,
     cursor: str | None = None,
     fields: Fields = "full",
 ) -> Response:

@@ -276,9 +276,13 @@ def check_url(url: object) -> str:
     return url
 
 
+RETRIED_STATUSES = frozenset({429, 503})
+
+
 @dataclass(frozen=True, slots=True)
 class Backoff:
-    """Bounded exponential backoff for transport errors and 503 answers.
+    """Bounded exponential backoff for transport errors and 503 and 429 answers (the
+    database out or busy; this token's share of the service's connections in use).
 
     Retry ``n`` (0-based) waits ``min(initial * 2**n, cap)`` seconds, or the answer's
     ``Retry-After`` when that is longer (still at most ``cap``). After ``max_retries``
@@ -296,9 +300,10 @@ class Backoff:
     def delay(self, retry: int, response: httpx.Response | None) -> float | None:
         """Seconds to wait before retry number ``retry``, or ``None`` to stop.
 
-        ``response`` is ``None`` after a transport error; an answer other than 503 is final.
+        ``response`` is ``None`` after a transport error; an answer other than 503 or 429 is
+        final (a 429 ran nothing, so sending it again is always safe).
         """
-        if response is not None and response.status_code != 503:
+        if response is not None and response.status_code not in RETRIED_STATUSES:
             return None
         if retry >= self.max_retries:
             return None
