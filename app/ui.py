@@ -482,7 +482,9 @@ async def step_page(request: Request, instance_key: str, step_slug: str) -> Resp
         try:
             tenancy.check_read(request.scope, instance_key)
             record = await reads.get_step(conn, instance_key, step_slug)
-            attempts, total = await dashboard.step_attempts(conn, record["id"], limit=MAX_STEPS)
+            attempts, total = await dashboard.step_attempts(
+                conn, instance_key, record["id"], limit=MAX_STEPS
+            )
         except domain.InstanceNotFound:
             return not_found(request, f"No instance has the key {instance_key!r}.")
         except domain.StepNotFound:

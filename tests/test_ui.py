@@ -597,7 +597,13 @@ def test_the_instance_and_step_pages_read_steps_and_attempts_by_index(
 ) -> None:
     queries = (dashboard.INSTANCE_STEPS, dashboard.INSTANCE_ATTEMPTS, dashboard.STEP_ATTEMPTS)
     for query in queries:
-        params = {"instance_id": 500, "limit": 1001, "last_ordinal": 2, "record_id": 500}
+        params = {
+            "instance_id": 500,
+            "instance_key": "job-500",
+            "limit": 1001,
+            "last_ordinal": 2,
+            "record_id": 500,
+        }
         text = plan(many_instances, query, params)
         assert "Seq Scan" not in text, text
 

@@ -84,7 +84,7 @@ FROM (
                OVER (ORDER BY a.attempt DESC) AS shown_bytes,
            row_number() OVER (ORDER BY a.attempt DESC) AS newest
     FROM workflow_step_attempt a
-    WHERE a.record_id = %(record_id)s
+    WHERE a.instance_id = steprecord_instance_id(%(instance_key)s) AND a.record_id = %(record_id)s
 ) a
 WHERE a.newest = 1 OR a.shown_bytes <= {ATTEMPTS_BUDGET}
 ORDER BY a.attempt DESC
@@ -93,12 +93,13 @@ LIMIT %(limit)s
 
 
 async def step_attempts(
-    conn: AsyncConn, record_id: int, *, limit: int
+    conn: AsyncConn, instance_key: str, record_id: int, *, limit: int
 ) -> tuple[list[dict[str, Any]], int]:
     """A step's newest attempts within `ATTEMPTS_BUDGET` (at most `limit`), newest first,
     each output cut to its first `OUTPUT_HEAD` characters with its size in `output_bytes`;
     and how many attempts it has in all."""
-    cur = await conn.execute(STEP_ATTEMPTS, {"record_id": record_id, "limit": limit})
+    params = {"instance_key": instance_key, "record_id": record_id, "limit": limit}
+    cur = await conn.execute(STEP_ATTEMPTS, params)
     attempts = await cur.fetchall()
     total = int(attempts[0].pop("total")) if attempts else 0
     for attempt in attempts[1:]:
