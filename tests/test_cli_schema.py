@@ -80,8 +80,8 @@ def test_a_command_on_an_older_schema_says_to_migrate_and_changes_nothing(
             "INSERT INTO api_token (name, scope, token_sha256) VALUES ('ci', 'write', sha256('t'))"
         )
         conn.execute(
-            "INSERT INTO process_instance (instance_key, created_at)"
-            " VALUES ('old', now() - interval '3 days')"
+            "INSERT INTO process_instance (id, instance_key, created_at)"
+            " VALUES (steprecord_instance_id('old'), 'old', now() - interval '3 days')"
         )
     config = alembic_config()
     config.attributes["database_url"] = scratch_database

@@ -79,27 +79,35 @@ def declare_overlapping_new_instances(database_url: str, callers: int = 6, round
     prefix, keys = uuid.uuid4().hex[:8], 30
     barrier = threading.Barrier(callers)
     deadlocks: list[int] = []
+    errors: list[BaseException] = []
 
     def caller(number: int) -> None:
         rng = random.Random(number)
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            for round_ in range(rounds):
-                chosen = rng.sample([f"{prefix}-{round_}-{k}" for k in range(keys)], 20)
-                n = len(chosen)
-                columns: list[list[Any]] = [list(range(n)), chosen, [f"caller-{number}"] * n]
-                columns += [["declare"] * n] + [[None] * n for _ in range(9)]
-                barrier.wait()
-                try:
-                    # The columns, then the trace id (none).
-                    psycopg.RawCursor(conn).execute(judge.APPLY_EVENTS, [*columns, None])
-                except psycopg.errors.DeadlockDetected:
-                    deadlocks.append(round_)
+        try:
+            with psycopg.connect(database_url, autocommit=True) as conn:
+                for round_ in range(rounds):
+                    chosen = rng.sample([f"{prefix}-{round_}-{k}" for k in range(keys)], 20)
+                    n = len(chosen)
+                    columns: list[list[Any]] = [list(range(n)), chosen, [f"caller-{number}"] * n]
+                    columns += [["declare"] * n] + [[None] * n for _ in range(9)]
+                    barrier.wait()
+                    try:
+                        # The columns, then the trace id (none).
+                        psycopg.RawCursor(conn).execute(judge.APPLY_EVENTS, [*columns, None])
+                    except psycopg.errors.DeadlockDetected:
+                        deadlocks.append(round_)
+        except threading.BrokenBarrierError:
+            pass  # another caller failed: its error is the one reported
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()  # the others stop at their next round instead of waiting forever
 
     threads = [threading.Thread(target=caller, args=(n,)) for n in range(callers)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    assert not errors, errors
     return len(deadlocks)
 
 

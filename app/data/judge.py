@@ -51,12 +51,9 @@ APPLY_EVENT = (
 # cases the next try sees the new row. A deadlock between two batches is retried the same way.
 MAX_TRIES = 5
 # A collision on the step's unique key, or a record whose instance was deleted meanwhile
-# (`DELETE /v1/instances/...`): the next try creates the record, or a new instance. Two
-# creators of one new instance: the second waits on the first's id, but may meet its key
-# first; the next try finds the instance.
+# (`DELETE /v1/instances/...`): the next try creates the record, or a new instance.
 RACE_KEYS = frozenset(
     {
-        "uq_process_instance_instance_key",
         "uq_workflow_step_record_instance_id_step_slug",
         "fk_workflow_step_record_instance_id_process_instance",
     }

@@ -395,16 +395,17 @@ BEGIN
     ),
     -- new_instance: create the instances that do not exist, with the ids of their keys, in
     -- id order, so two calls that create the same instances take their ids in the same order
-    -- and one waits for the other instead of deadlocking. One created concurrently (its id
-    -- taken meanwhile) is skipped here: its events get no answer row and are called again,
-    -- and the next call finds the instance, or answers the collision.
+    -- and one waits for the other instead of deadlocking. One created concurrently (its id,
+    -- or on one node its key, taken meanwhile: DO NOTHING names no constraint, so every
+    -- unique key is its arbiter) is skipped here: its events get no answer row and are called
+    -- again, and the next call finds the instance, or answers the collision.
     new_instance AS (
         INSERT INTO process_instance (id, instance_key, next_ordinal)
         SELECT a.instance_id, a.instance_key, max(a.next_ordinal) FROM assigned a
         WHERE NOT EXISTS (SELECT 1 FROM known WHERE known.instance_key = a.instance_key)
         GROUP BY a.instance_id, a.instance_key
         ORDER BY a.instance_id
-        ON CONFLICT ON CONSTRAINT pk_process_instance DO NOTHING
+        ON CONFLICT DO NOTHING
         RETURNING id, instance_key
     ),
     inst AS (
