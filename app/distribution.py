@@ -12,7 +12,11 @@ see docs/operations.md):
    triggers, and runs them on each shard, only so. The record's guard, the history's guard
    and the changed-xid stamp are row triggers, which run on the shard beside the row. The
    schema's functions are copied to every worker (those made before the extension came).
-2. `api_token` and `access_policy`: reference tables (a copy on every node).
+2. `api_token` and `access_policy` stay on the coordinator, plain tables: only the service
+   reads them there, no statement joins them with a distributed table, and the trigger that
+   makes a first token require tokens writes `access_policy` from `api_token`, which Citus
+   refuses between reference tables (a trigger on a reference table's copy on a worker may
+   not run a distributed statement).
 3. `process_instance` by `id`, then `workflow_step_record` and `workflow_step_attempt` by
    `instance_id`, co-located with it: one instance's rows live together on one worker.
    `uq_process_instance_instance_key` is dropped first (Citus keeps only unique keys that
@@ -29,9 +33,8 @@ see docs/operations.md):
 
 from sqlalchemy import Connection
 
-# Citus's reference tables, and its distributed tables with their distribution column, in the
-# order they are distributed (a co-located table after the one it follows).
-REFERENCE_TABLES = ("api_token", "access_policy")
+# Citus's distributed tables with their distribution column, in the order they are
+# distributed (a co-located table after the one it follows).
 DISTRIBUTED_TABLES = (
     ("process_instance", "id"),
     ("workflow_step_record", "instance_id"),
@@ -90,9 +93,6 @@ def distribute(connection: Connection) -> bool:
     sql("SET LOCAL citus.multi_shard_modify_mode = 'sequential'")
     for (function,) in sql(LOCAL_FUNCTIONS).all():
         sql("SELECT create_distributed_function(%s)", (function,))
-    for table in REFERENCE_TABLES:
-        if sql(DISTRIBUTED, (table,)).first() is None:
-            sql("SELECT create_reference_table(%s)", (table,))
     for table, column in DISTRIBUTED_TABLES:
         if sql(DISTRIBUTED, (table,)).first() is not None:
             continue

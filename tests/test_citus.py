@@ -14,6 +14,7 @@ from tests.helpers import (
     create_database,
     drop_database,
     rows_on_worker,
+    steprecord,
 )
 
 
@@ -71,9 +72,7 @@ def test_migrate_distributes_the_fact_tables_by_instance_and_the_judge_with_them
             tables = conn.execute(TABLES).fetchall()
             function = conn.execute(FUNCTION).fetchone()
         by_name = {table: (method, column) for table, method, column, _ in tables}
-        assert by_name == {
-            "access_policy": ("n", None),
-            "api_token": ("n", None),
+        assert by_name == {  # the tokens and the access policy stay on the coordinator
             "process_instance": ("h", "id"),
             "workflow_step_attempt": ("h", "instance_id"),
             "workflow_step_record": ("h", "instance_id"),
@@ -160,7 +159,9 @@ def test_a_database_with_rows_that_gets_citus_is_distributed_by_the_next_migrate
         migrate(url)
         with psycopg.connect(url) as conn:
             assert conn.execute(SNAPSHOT).fetchall() == before
-            assert len(conn.execute(TABLES).fetchall()) == 5
+            assert (
+                len(conn.execute(TABLES).fetchall()) == 3
+            )  # the fact tables; the tokens stay on the coordinator
         on_workers = [
             rows_on_worker(on_node(worker.url, name), "workflow_step_record")
             for worker in citus.workers
@@ -202,5 +203,35 @@ def test_the_coordinator_delegates_the_one_event_judge_to_the_worker_holding_the
         assert "Custom Scan (Citus Adaptive)" in plan
         assert "Task Count: 1" in plan
         assert "Function Call: steprecord_apply_event(" in plan
+    finally:
+        drop_database(citus.url, name)
+
+
+def test_token_commands_work_on_a_distributed_database(citus: CitusCluster) -> None:
+    """The tokens and the access policy stay on the coordinator: a first token makes tokens
+    required (the policy's trigger), a prefixed token is made, listed and revoked, and
+    anonymous access is refused back while a token exists."""
+    name = f"steprecord_citus_{uuid.uuid4().hex[:8]}"
+    url = create_database(citus.url, name)
+    try:
+        migrate(url)
+        for args in (
+            ("token", "allow-anonymous"),
+            ("token", "create", "ci", "--scope", "write"),
+            ("token", "create", "acme", "--scope", "read", "--prefix", "acme:"),
+            ("token", "revoke", "acme"),
+        ):
+            done = steprecord(url, *args)
+            assert done.returncode == 0, (args, done.stderr)
+        listed = steprecord(url, "token", "list")
+        assert listed.returncode == 0, listed.stderr
+        assert [line.split("\t")[:2] for line in listed.stdout.splitlines() if "\t" in line] == [
+            ["ci", "write"]
+        ]
+        again = steprecord(url, "token", "allow-anonymous")
+        assert again.returncode == 1
+        assert "tokens exist" in again.stdout + again.stderr
+        with psycopg.connect(url) as conn:
+            assert conn.execute("SELECT tokens_required FROM access_policy").fetchone() == (True,)
     finally:
         drop_database(citus.url, name)
