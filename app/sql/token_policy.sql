@@ -5,7 +5,7 @@
 -- opening it. It upserts, so a policy row deleted by hand comes back. Only `steprecord
 -- token allow-anonymous` sets it back to false, an explicit choice. The time is a value of
 -- the row inserted (EXCLUDED), not a clock call in the update: Citus runs only IMMUTABLE
--- functions there, access_policy being a reference table on Citus.
+-- functions there, should access_policy ever be distributed (it stays on the coordinator).
 CREATE OR REPLACE FUNCTION api_token_require_tokens() RETURNS trigger
 LANGUAGE plpgsql AS $fn$
 BEGIN
