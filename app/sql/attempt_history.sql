@@ -2,17 +2,21 @@
 -- the database itself in the same statement as the record, whoever writes the record.
 --
 -- Three functions, three triggers:
---   * workflow_step_record_history_insert / _update (statement triggers with transition
---     tables on workflow_step_record): every write to a record — the judge, a batch, the
---     sweeper, a hand-written UPDATE — brings the history up to date, set-based;
+--   * workflow_step_record_history_insert / _update (row triggers, AFTER each inserted or
+--     updated row of workflow_step_record): every write to a record — the judge, a batch,
+--     the sweeper, a hand-written UPDATE — brings its history up to date. Row triggers, not
+--     statement triggers with transition tables: on Citus a trigger runs on the shard, where
+--     no transition table can be found; a row trigger writes the history's row on the shard
+--     beside its record's (co-located by instance_id: every statement below names the
+--     instance id as a value, so Citus routes it to that one shard);
 --   * workflow_step_attempt_guard (row trigger on workflow_step_attempt): the history is
 --     written only by those triggers, and a finished attempt never changes.
 
--- After records are inserted: the new record's attempt, unless it is pending (a pending
--- record has no attempt yet). The upsert is shared with _update below: an attempt row
--- exists from the moment its attempt starts and is brought up to date by every write of
--- its record; the WHERE skips writes that change nothing the history shows. A running
--- attempt mirrors the record's lease; a finished one keeps the last lease it held.
+-- After a record is inserted: its attempt, unless it is pending (a pending record has no
+-- attempt yet: the trigger's WHEN skips it). The upsert is shared with _update below: an
+-- attempt row exists from the moment its attempt starts and is brought up to date by every
+-- write of its record; the WHERE skips writes that change nothing the history shows. A
+-- running attempt mirrors the record's lease; a finished one keeps the last lease it held.
 CREATE OR REPLACE FUNCTION workflow_step_record_history_insert() RETURNS trigger
 LANGUAGE plpgsql AS $fn$
 BEGIN
@@ -20,11 +24,9 @@ BEGIN
         instance_id, record_id, attempt, status, started_at, completed_at, output,
         external_output_url, error_code, error_message, lease_expires_at,
         created_at, updated_at)
-    SELECT n.instance_id, n.id, n.attempt_count, n.status, n.started_at,
-           n.completed_at, n.output, n.external_output_url, n.error_code,
-           n.error_message, n.lease_expires_at, n.updated_at, n.updated_at
-    FROM new_rows n
-    WHERE n.status <> 'pending'
+    VALUES (NEW.instance_id, NEW.id, NEW.attempt_count, NEW.status, NEW.started_at,
+            NEW.completed_at, NEW.output, NEW.external_output_url, NEW.error_code,
+            NEW.error_message, NEW.lease_expires_at, NEW.updated_at, NEW.updated_at)
     ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_instance_id_record_id_attempt
     DO UPDATE SET
         status = EXCLUDED.status,
@@ -48,31 +50,31 @@ BEGIN
 END
 $fn$;
 
--- After records are updated: first, a running attempt overtaken by a higher attempt
+-- After a record is updated: first, a running attempt overtaken by a higher attempt
 -- becomes `superseded` (it started and never reported an end; completed_at = when the next
--- attempt took over, never before its own start). Then the record's current attempt is
--- inserted or brought up to date, as after an insert.
+-- attempt took over, never before its own start). Then the record's current attempt, unless
+-- the record is pending, is inserted or brought up to date, as after an insert.
 CREATE OR REPLACE FUNCTION workflow_step_record_history_update() RETURNS trigger
 LANGUAGE plpgsql AS $fn$
 BEGIN
-    UPDATE workflow_step_attempt a SET
-        status = 'superseded',
-        completed_at = GREATEST(a.started_at, COALESCE(n.started_at, n.updated_at)),
-        updated_at = n.updated_at
-    FROM old_rows o JOIN new_rows n ON n.id = o.id
-    WHERE o.status = 'running' AND n.attempt_count > o.attempt_count
-      AND a.instance_id = o.instance_id AND a.record_id = o.id
-      AND a.attempt = o.attempt_count AND a.status = 'running';
-
+    IF OLD.status = 'running' AND NEW.attempt_count > OLD.attempt_count THEN
+        UPDATE workflow_step_attempt a SET
+            status = 'superseded',
+            completed_at = GREATEST(a.started_at, COALESCE(NEW.started_at, NEW.updated_at)),
+            updated_at = NEW.updated_at
+        WHERE a.instance_id = OLD.instance_id AND a.record_id = OLD.id
+          AND a.attempt = OLD.attempt_count AND a.status = 'running';
+    END IF;
+    IF NEW.status = 'pending' THEN
+        RETURN NULL;
+    END IF;
     INSERT INTO workflow_step_attempt AS a (
         instance_id, record_id, attempt, status, started_at, completed_at, output,
         external_output_url, error_code, error_message, lease_expires_at,
         created_at, updated_at)
-    SELECT n.instance_id, n.id, n.attempt_count, n.status, n.started_at,
-           n.completed_at, n.output, n.external_output_url, n.error_code,
-           n.error_message, n.lease_expires_at, n.updated_at, n.updated_at
-    FROM new_rows n
-    WHERE n.status <> 'pending'
+    VALUES (NEW.instance_id, NEW.id, NEW.attempt_count, NEW.status, NEW.started_at,
+            NEW.completed_at, NEW.output, NEW.external_output_url, NEW.error_code,
+            NEW.error_message, NEW.lease_expires_at, NEW.updated_at, NEW.updated_at)
     ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_instance_id_record_id_attempt
     DO UPDATE SET
         status = EXCLUDED.status,
@@ -98,13 +100,12 @@ $fn$;
 
 CREATE OR REPLACE TRIGGER tr_workflow_step_record_history_insert
 AFTER INSERT ON workflow_step_record
-REFERENCING NEW TABLE AS new_rows
-FOR EACH STATEMENT EXECUTE FUNCTION workflow_step_record_history_insert();
+FOR EACH ROW WHEN (NEW.status <> 'pending')
+EXECUTE FUNCTION workflow_step_record_history_insert();
 
 CREATE OR REPLACE TRIGGER tr_workflow_step_record_history_update
 AFTER UPDATE ON workflow_step_record
-REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
-FOR EACH STATEMENT EXECUTE FUNCTION workflow_step_record_history_update();
+FOR EACH ROW EXECUTE FUNCTION workflow_step_record_history_update();
 
 -- The history's guard, so that it cannot disagree with the record:
 --   * it is written only by the record's triggers (trigger depth 2 and more): a
