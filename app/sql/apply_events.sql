@@ -70,6 +70,12 @@ DECLARE
     -- same transaction reads anew). The statement below uses it, never a clock call: Citus
     -- runs only IMMUTABLE functions inside a write of a distributed table.
     v_now timestamptz := clock_timestamp();
+    -- The events' instance ids (instance_id.sql), a value every read and write below names
+    -- (`= ANY (v_ids)`): on Citus, where the function plans each statement with its values
+    -- (force_custom_plan), a call whose instances share one shard group runs there alone,
+    -- which is what lets it lock rows (FOR UPDATE) and write in one statement. On one node
+    -- the condition repeats what the keys already say.
+    v_ids bigint[] := ARRAY(SELECT DISTINCT steprecord_instance_id(k) FROM unnest(p_instance_key) k);
 BEGIN
     -- The trace id of this call, set first and always (an empty string for none), so that a
     -- value never carries over from an earlier call of the same transaction. The history's
@@ -104,7 +110,7 @@ BEGIN
     -- a collision: its events are answered so, and write nothing.
     held AS (
         SELECT p.id, p.instance_key FROM process_instance p
-        WHERE p.id IN (SELECT instance_id FROM e)
+        WHERE p.id = ANY (v_ids) AND p.id IN (SELECT instance_id FROM e)
     ),
     known AS (
         SELECT held.id, held.instance_key FROM held
@@ -121,6 +127,7 @@ BEGIN
         SELECT e.i, r.* FROM e
         JOIN known ON known.instance_key = e.instance_key
         JOIN workflow_step_record r ON r.instance_id = known.id AND r.step_slug = e.step_slug
+        WHERE r.instance_id = ANY (v_ids)
         ORDER BY r.id
         FOR UPDATE OF r
     ),
@@ -160,7 +167,8 @@ BEGIN
             lease_expires_at = d.lease_expires_at,
             updated_at = d.now
         FROM dec d
-        WHERE r.instance_id = d.instance_id AND r.id = d.id AND d.outcome = 'applied'
+        WHERE r.instance_id = ANY (v_ids)
+          AND r.instance_id = d.instance_id AND r.id = d.id AND d.outcome = 'applied'
         RETURNING d.i, r.*
     ),
     -- late: the complete/fail reports of an attempt older than the record's (stale), with
@@ -176,7 +184,8 @@ BEGIN
                t.completed_at, COALESCE(e.started_at, h.started_at, t.completed_at) AS started_at
         FROM dec d JOIN cur ON cur.i = d.i JOIN e ON e.i = d.i
         LEFT JOIN workflow_step_attempt h
-            ON h.instance_id = cur.instance_id AND h.record_id = cur.id
+            ON h.instance_id = ANY (v_ids)
+           AND h.instance_id = cur.instance_id AND h.record_id = cur.id
            AND h.attempt = d.attempt,
             LATERAL (SELECT judge_event_completed_at(
                 e.kind, e.completed_at, e.now, COALESCE(e.started_at, h.started_at)
@@ -245,7 +254,7 @@ BEGIN
     -- (taken in id order: no deadlock between two calls); base is the instance's counter.
     locked AS (
         SELECT p.id, p.instance_key, p.next_ordinal AS base FROM process_instance p
-        WHERE p.id IN (SELECT instance_id FROM spans)
+        WHERE p.id = ANY (v_ids) AND p.id IN (SELECT instance_id FROM spans)
           AND p.instance_key IN (SELECT instance_key FROM spans)
         ORDER BY p.id
         FOR UPDATE
@@ -263,7 +272,7 @@ BEGIN
         UPDATE process_instance p SET next_ordinal = x.next_ordinal
         FROM (SELECT DISTINCT locked_id, next_ordinal FROM assigned
               WHERE locked_id IS NOT NULL) x
-        WHERE p.id = x.locked_id
+        WHERE p.id = ANY (v_ids) AND p.id = x.locked_id
         RETURNING p.id
     ),
     -- new_instance: create the instances that do not exist, with the ids of their keys, in

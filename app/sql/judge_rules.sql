@@ -9,12 +9,17 @@
 -- rank of the status it leads to). Pairs compare left to right: an event newer than the
 -- record is applied, one at the same position is a replay or a conflict, an older one is a
 -- late report or stale.
+--
+-- A CASE here compares with `=` in each WHEN (CASE WHEN x = 'a' ...), never the simple form
+-- (CASE x WHEN 'a' ...): Citus, evaluating the values of an inlined simple CASE before it
+-- sends a statement to a shard, writes its WHENs as `NULL::boolean` and the shard refuses
+-- the statement (operator does not exist: text = boolean).
 
 -- A status's rank within its attempt: pending 0, running 1, finished (completed, failed) 2.
 CREATE OR REPLACE FUNCTION judge_status_rank(p_status text) RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $fn$
-    SELECT CASE p_status WHEN 'pending' THEN 0 WHEN 'running' THEN 1 ELSE 2 END
+    SELECT CASE WHEN p_status = 'pending' THEN 0 WHEN p_status = 'running' THEN 1 ELSE 2 END
 $fn$;
 
 -- The status an event of a kind leads to: declare pending, start running, complete
@@ -22,8 +27,8 @@ $fn$;
 CREATE OR REPLACE FUNCTION judge_event_status(p_kind text) RETURNS text
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $fn$
-    SELECT CASE p_kind WHEN 'declare' THEN 'pending' WHEN 'start' THEN 'running'
-                       WHEN 'complete' THEN 'completed' ELSE 'failed' END
+    SELECT CASE WHEN p_kind = 'declare' THEN 'pending' WHEN p_kind = 'start' THEN 'running'
+                WHEN p_kind = 'complete' THEN 'completed' ELSE 'failed' END
 $fn$;
 
 -- The attempt an event speaks of, against a record at (r_attempt_count, r_status): a declare
