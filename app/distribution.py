@@ -24,8 +24,11 @@ see docs/operations.md):
    `ck_process_instance_id_derived` (id = steprecord_instance_id(instance_key)) hold it.
 4. `steprecord_apply_event` becomes a distributed function whose distribution argument is
    `p_instance_id`, co-located with `process_instance`: the coordinator sends the whole call
-   to the worker that holds the instance; so does `steprecord_stream_changes` (a stream's
-   read, whose snapshot and transaction ids must be that worker's).
+   to the worker that holds the instance; so do `steprecord_apply_events_on_shard` (the
+   general statement for the events of one shard group, run on that group's shards: a
+   batch's group, or the one-event judge's new record or late report, on the worker that
+   call was sent to) and `steprecord_stream_changes` (a stream's read, whose snapshot and
+   transaction ids must be that worker's).
 5. The judge's functions plan each statement with its values (`force_custom_plan`): Citus
    routes a statement that joins distributed tables to one shard only when it sees the
    distribution column's value, which a generic plan hides behind a parameter.
@@ -43,6 +46,11 @@ DISTRIBUTED_TABLES = (
 DISTRIBUTED_FUNCTION = (
     "steprecord_apply_event(bigint, integer, text, text, text, bigint, timestamptz,"
     " timestamptz, text, text, text, text, bigint, integer, text)"
+)
+# The general statement on one shard group's shards, delegated the same way.
+SHARD_FUNCTION = (
+    "steprecord_apply_events_on_shard(bigint, integer[], text[], text[], text[], bigint[],"
+    " timestamptz[], timestamptz[], text[], text[], text[], text[], bigint[], integer[], text)"
 )
 # A stream's read, delegated the same way: its snapshot and transaction ids are the worker's.
 STREAM_FUNCTION = "steprecord_stream_changes(bigint, text, xid8, bigint, integer)"
@@ -110,7 +118,7 @@ def distribute(connection: Connection) -> bool:
             (table, column, colocate),
         )
         sql(f"ALTER TABLE {table} ENABLE TRIGGER USER")
-    for function in (DISTRIBUTED_FUNCTION, STREAM_FUNCTION):
+    for function in (DISTRIBUTED_FUNCTION, SHARD_FUNCTION, STREAM_FUNCTION):
         if sql(FUNCTION_DISTRIBUTED, (function,)).first() is None:
             sql(
                 "SELECT create_distributed_function(%s, 'p_instance_id',"

@@ -1,5 +1,6 @@
 """What several data modules share: the record's columns and the refusal of a write."""
 
+import re
 from typing import Any
 
 import psycopg
@@ -20,6 +21,35 @@ def with_key(row: dict[str, Any], instance_key: str) -> dict[str, Any]:
 
 def violation(exc: psycopg.errors.IntegrityError) -> ConstraintViolation:
     """The refused write, named by the constraint (or trigger) that refused it."""
-    name = exc.diag.constraint_name or "unknown"
+    name = constraint_name(exc) or "unknown"
     unique = isinstance(exc, psycopg.errors.UniqueViolation)
     return ConstraintViolation(name, unique, exc.diag.message_primary or str(exc))
+
+
+# On Citus a refusal raised on a worker reaches the coordinator's client with its SQLSTATE and
+# message but without the constraint's name, and a unique, primary or foreign key is the
+# shard's copy, named `<name>_<shard id>`. The name is in PostgreSQL's own message
+# (`... constraint "<name>"`); the guards' triggers (app/sql/record_guard.sql,
+# attempt_history.sql) begin theirs with the table they guard.
+_NAMED = re.compile(r'constraint "([^"]+)"')
+_SHARD_SUFFIX = re.compile(r"^((?:pk|uq|fk)_\w+?)_[0-9]+$")
+_GUARDS = (
+    (re.compile(r"^workflow_step_record [0-9]+: "), "tr_workflow_step_record_transition"),
+    (re.compile(r"^workflow_step_attempt: "), "tr_workflow_step_attempt_guard"),
+)
+
+
+def constraint_name(exc: psycopg.Error) -> str | None:
+    """The name of the constraint (or guard trigger) that refused a write, as on one node."""
+    if exc.diag.constraint_name:
+        return exc.diag.constraint_name
+    message = exc.diag.message_primary or ""
+    named = _NAMED.search(message)
+    if named:
+        shard = _SHARD_SUFFIX.match(named[1])
+        return shard[1] if shard else named[1]
+    if isinstance(exc, psycopg.errors.CheckViolation):
+        for pattern, name in _GUARDS:
+            if pattern.match(message):
+                return name
+    return None

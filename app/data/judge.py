@@ -7,11 +7,12 @@ event (or per set of events of distinct steps), nothing decided in Python.
 
 from collections.abc import Callable, Sequence
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import psycopg
 
-from app.data.common import RECORD, violation, with_key
-from app.db import AsyncConn
+from app.data.common import RECORD, constraint_name, violation, with_key
+from app.db import AsyncConn, DatabaseUnavailable, public_reason
 from app.domain import (
     ConstraintViolation,
     Contention,
@@ -44,6 +45,23 @@ APPLY_EVENT = (
     " $3::text, $4::text, $5::bigint, $6::timestamptz, $7::timestamptz, $8::text, $9::text,"
     " $10::text, $11::text, $12::bigint, $13::int, $14::text)"
 )
+
+# On Citus, a batch's events of one shard group (app/sql/apply_events_on_shard.sql): the same
+# parameters as APPLY_EVENTS, and first the id of the group's first instance, derived in the
+# statement, by which the coordinator sends the whole call to the worker that holds the group.
+APPLY_EVENTS_ON_SHARD = (
+    "SELECT * FROM steprecord_apply_events_on_shard(steprecord_instance_id(($2::text[])[1]),"
+    " $1::int[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::timestamptz[],"
+    " $7::timestamptz[], $8::text[], $9::text[], $10::text[], $11::text[], $12::bigint[],"
+    " $13::int[], $14::text)"
+)
+
+# On Citus, the shard group of each instance key, in order: one statement for a batch.
+SHARD_GROUPS = (
+    "SELECT get_shard_id_for_distribution_column('process_instance', steprecord_instance_id(k))"
+    " AS shard FROM unnest($1::text[]) WITH ORDINALITY AS u(k, n) ORDER BY n"
+)
+HAS_CITUS = "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') AS citus"
 
 # An event with no row in the answer lost a race with a concurrent creator of its instance (the
 # statement's snapshot could not see the new row); a collision on the step's unique key (a
@@ -111,20 +129,42 @@ async def apply_events(
     Consecutive events of distinct steps go in one statement; a step seen again starts the
     next statement, so later events of a step see the effects of earlier ones. The events
     share one request, so the attempts they start all keep its `trace_id`.
+
+    On Citus each such statement is one per shard group (`_shard_groups`), each its own
+    transaction on the one worker that holds the group: a group whose worker cannot be
+    reached answers each of its events 503 (`DatabaseUnavailable`), and the others commit.
     """
     outcomes: list[Result | Exception | None] = [None] * len(events)
+    shards = await _shard_groups(conn, events)
     segment: list[int] = []
     seen: set[tuple[str, str]] = set()
     for index, event in enumerate(events):
         key = (event.instance_key, event.step_slug)
         if key in seen:
-            await _apply_segment(conn, events, segment, outcomes, trace_id)
+            await _apply_segment(conn, events, segment, outcomes, trace_id, shards)
             segment, seen = [], set()
         segment.append(index)
         seen.add(key)
     if segment:
-        await _apply_segment(conn, events, segment, outcomes, trace_id)
+        await _apply_segment(conn, events, segment, outcomes, trace_id, shards)
     return [await _final(conn, events[i], o) for i, o in enumerate(outcomes)]
+
+
+# Whether a connection's database has Citus, asked once per connection.
+_CITUS: WeakKeyDictionary[AsyncConn, bool] = WeakKeyDictionary()
+
+
+async def _shard_groups(conn: AsyncConn, events: Sequence[Event]) -> list[int] | None:
+    """Each event's shard group on Citus (one statement for the batch); None on one node."""
+    citus = _CITUS.get(conn)
+    if citus is None:
+        row = await (await conn.execute(HAS_CITUS)).fetchone()
+        citus = _CITUS[conn] = bool(row and row["citus"])
+    if not citus or not events:
+        return None
+    keys = [event.instance_key for event in events]
+    cur = await conn.execute(SHARD_GROUPS, (keys,), prepare=False)
+    return [int(row["shard"]) for row in await cur.fetchall()]
 
 
 async def _final(
@@ -139,16 +179,45 @@ async def _apply_segment(
     indexes: list[int],
     outcomes: list[Result | Exception | None],
     trace_id: str | None,
+    shards: list[int] | None,
 ) -> None:
     """Apply events of distinct steps: they cannot affect each other, so heartbeats and the
-    other events go in one statement each (a heartbeat starts no attempt: no trace id)."""
+    other events go in one statement each (a heartbeat starts no attempt: no trace id); on
+    Citus, one statement each per shard group, in the order the groups first appear."""
+    if shards is None:
+        await _apply_group(conn, events, indexes, outcomes, trace_id, APPLY_EVENTS)
+        return
+    groups: dict[int, list[int]] = {}
+    for index in indexes:
+        groups.setdefault(shards[index], []).append(index)
+    for group in groups.values():
+        try:
+            await _apply_group(conn, events, group, outcomes, trace_id, APPLY_EVENTS_ON_SHARD)
+        except psycopg.OperationalError as exc:
+            if conn.closed:  # the coordinator itself is gone: the whole request is refused
+                raise
+            # The group's worker is down (its transaction wrote nothing): its events only.
+            unavailable = DatabaseUnavailable(str(exc), public_reason(exc))
+            for index in group:
+                if outcomes[index] is None:
+                    outcomes[index] = unavailable
+
+
+async def _apply_group(
+    conn: AsyncConn,
+    events: Sequence[Event],
+    indexes: list[int],
+    outcomes: list[Result | Exception | None],
+    trace_id: str | None,
+    statement: str,
+) -> None:
     beats = [index for index in indexes if events[index].kind == "heartbeat"]
     others = [index for index in indexes if events[index].kind != "heartbeat"]
     if beats:
         await _apply_statement(conn, HEARTBEAT, HEARTBEAT_PARAMS, events, beats, outcomes)
     if others:
         params = _columns_and(trace_id)
-        await _apply_statement(conn, APPLY_EVENTS, PARAMS, events, others, outcomes, params)
+        await _apply_statement(conn, statement, PARAMS, events, others, outcomes, params)
 
 
 # A statement's parameters: the events' indexes, then one array per field (`_columns`), or
@@ -193,7 +262,7 @@ async def _apply_statement(
             continue
         except (psycopg.errors.IntegrityError, psycopg.errors.DataError) as exc:
             if isinstance(exc, psycopg.errors.IntegrityError) and (
-                exc.diag.constraint_name in RACE_KEYS
+                constraint_name(exc) in RACE_KEYS
             ):
                 continue
             if len(pending) > 1:  # find which event was refused: one statement each
@@ -240,7 +309,7 @@ OUTPUT_SIZE = "ck_workflow_step_record_output_size"
 ORDINAL_HOLDER = f"""
 SELECT {RECORD.format(r="r")}
 FROM process_instance p JOIN workflow_step_record r ON r.instance_id = p.id
-WHERE p.instance_key = %(instance_key)s
+WHERE p.id = steprecord_instance_id(%(instance_key)s) AND p.instance_key = %(instance_key)s
   AND (%(ordinal)s::int IS NULL OR r.ordinal = %(ordinal)s::int)
 ORDER BY r.ordinal DESC
 LIMIT 1

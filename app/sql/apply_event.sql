@@ -20,7 +20,8 @@
 --   3. when the event applies to the record, write it: the update of the general
 --      statement's `upd`, each value from the same rule;
 --   4. otherwise (no record yet, or a late complete/fail of an older attempt, which the
---      history may take), call steprecord_apply_events with the event.
+--      history may take), call the general statement with the event, on the instance's
+--      shards (steprecord_apply_events_on_shard: on Citus, on this worker, in this call).
 -- The record's row lock taken in 1 is held until the transaction ends, so the judgement of 1
 -- still holds when 3 writes, and 4 judges the record 1 judged as 1 did.
 --
@@ -73,9 +74,11 @@ BEGIN
     FOR UPDATE OF r;
 
     IF NOT FOUND OR (judged.outcome = 'stale_attempt' AND p_kind IN ('complete', 'fail')) THEN
-        -- 4. The event as a one-element call of the general statement.
-        RETURN QUERY SELECT * FROM steprecord_apply_events(
-            ARRAY[p_i], ARRAY[p_instance_key], ARRAY[p_step_slug], ARRAY[p_kind],
+        -- 4. The event as a one-element call of the general statement, on this instance's
+        --    shards (apply_events_on_shard.sql: on Citus, here on the worker this call was
+        --    sent to; on one node, steprecord_apply_events itself).
+        RETURN QUERY SELECT * FROM steprecord_apply_events_on_shard(
+            p_instance_id, ARRAY[p_i], ARRAY[p_instance_key], ARRAY[p_step_slug], ARRAY[p_kind],
             ARRAY[p_attempt], ARRAY[p_started_at], ARRAY[p_completed_at], ARRAY[p_output],
             ARRAY[p_external_output_url], ARRAY[p_error_code], ARRAY[p_error_message],
             ARRAY[p_ordinal], ARRAY[p_lease_seconds], p_trace_id);

@@ -40,6 +40,11 @@
 -- functions of judge_rules.sql, which steprecord_apply_event calls as well; this statement
 -- says which records they are applied to and what is written.
 --
+-- The two inserts of records and history entries name their id, the identity's next value
+-- (OVERRIDING SYSTEM VALUE), instead of leaving it to the column: on Citus this statement
+-- runs on a worker's shards (apply_events_on_shard.sql), which have no identity of their own;
+-- the worker's sequence gives ids of that worker's own range.
+--
 -- plan_cache_mode = force_generic_plan: every access is by key, so the plan does not depend
 -- on the arrays' contents; one generic plan, made once per connection, serves every call
 -- (a custom plan would be made again, at the full planning cost, on every call).
@@ -198,9 +203,10 @@ BEGIN
     -- (the report is the first the history hears of that attempt); an updated one keeps its own.
     late_write AS (
         INSERT INTO workflow_step_attempt AS a (
-            instance_id, record_id, attempt, status, started_at, completed_at, output,
+            id, instance_id, record_id, attempt, status, started_at, completed_at, output,
             external_output_url, error_code, error_message, created_at, updated_at)
-        SELECT l.instance_id, l.record_id, l.attempt, l.target, l.started_at, l.completed_at,
+        OVERRIDING SYSTEM VALUE
+        SELECT nextval('workflow_step_attempt_id_seq'), l.instance_id, l.record_id, l.attempt, l.target, l.started_at, l.completed_at,
                l.output, l.url, l.error_code, l.error_message, l.now, l.now
         FROM late l
         WHERE (l.entry_status IS NULL OR l.entry_status = 'superseded')
@@ -302,10 +308,11 @@ BEGIN
     -- and aborts the statement; an ordinal past the range is answered ordinal_taken below.
     ins AS (
         INSERT INTO workflow_step_record AS r (
-            instance_id, step_slug, ordinal, status, attempt_count, output, external_output_url,
-            started_at, completed_at, error_code, error_message, lease_expires_at, created_at,
-            updated_at)
-        SELECT inst.id, e.step_slug, a.ordinal, e.target,
+            id, instance_id, step_slug, ordinal, status, attempt_count, output,
+            external_output_url, started_at, completed_at, error_code, error_message,
+            lease_expires_at, created_at, updated_at)
+        OVERRIDING SYSTEM VALUE
+        SELECT nextval('workflow_step_record_id_seq'), inst.id, e.step_slug, a.ordinal, e.target,
                judge_event_attempt(e.kind, e.attempt, 1, 'pending'),
                e.output, e.url,
                CASE WHEN e.kind <> 'declare' THEN COALESCE(e.started_at, e.now) END,

@@ -32,10 +32,15 @@ AS $fn$
 DECLARE
     -- The call's clock reading, a value (no clock call inside a write: see apply_events.sql).
     v_now timestamptz := clock_timestamp();
+    -- The heartbeats' instance ids, a value each read and write names (as in
+    -- apply_events.sql): on Citus a call whose instances share one shard group is routed,
+    -- whole, to the worker holding it (Citus locks rows only in a statement routed so).
+    v_ids bigint[] := ARRAY(SELECT DISTINCT steprecord_instance_id(k) FROM unnest(p_instance_key) k);
 BEGIN
     RETURN QUERY
     WITH e AS MATERIALIZED (
-        SELECT x.*, steprecord_instance_id(x.instance_key) AS instance_id, v_now AS now
+        SELECT x.*, steprecord_instance_id(x.instance_key) AS instance_id, v_now AS now,
+               judge_lease_expires_at(v_now, x.lease_seconds) AS lease_expires_at
         FROM unnest(p_i, p_instance_key, p_step_slug, p_attempt, p_lease_seconds)
             AS x(i, instance_key, step_slug, attempt, lease_seconds)
     ),
@@ -44,6 +49,7 @@ BEGIN
         SELECT e.i, r.* FROM e
         JOIN process_instance p ON p.id = e.instance_id AND p.instance_key = e.instance_key
         JOIN workflow_step_record r ON r.instance_id = p.id AND r.step_slug = e.step_slug
+        WHERE p.id = ANY (v_ids) AND r.instance_id = ANY (v_ids)
         ORDER BY r.id
         FOR UPDATE OF r
     ),
@@ -56,13 +62,15 @@ BEGIN
         FROM cur JOIN e ON e.i = cur.i
     ),
     -- Only the lease and updated_at change (the history trigger copies the running
-    -- attempt's new lease into its history entry).
+    -- attempt's new lease into its history entry). The lease is computed in `e`: Citus
+    -- refuses a STABLE function over a column inside an UPDATE.
     upd AS (
         UPDATE workflow_step_record r SET
-            lease_expires_at = judge_lease_expires_at(e.now, e.lease_seconds),
+            lease_expires_at = e.lease_expires_at,
             updated_at = e.now
         FROM dec d JOIN e ON e.i = d.i
-        WHERE r.instance_id = d.instance_id AND r.id = d.id AND d.outcome = 'applied'
+        WHERE r.instance_id = ANY (v_ids)
+          AND r.instance_id = d.instance_id AND r.id = d.id AND d.outcome = 'applied'
         RETURNING d.i, r.*
     )
     SELECT upd.i, 'applied' AS outcome,

@@ -1,0 +1,100 @@
+-- steprecord_apply_events_on_shard: the general statement (steprecord_apply_events) for events
+-- whose instances live in one shard group, run where that group lives.
+--
+-- Arguments: p_instance_id, the id of one of the events' instances (on Citus the function's
+-- distribution argument: the coordinator sends the whole call to the worker that holds it),
+-- then the arguments of steprecord_apply_events, the same names in the same order. Answer:
+-- the answer of steprecord_apply_events for those events.
+--
+-- Without Citus it is steprecord_apply_events itself. On Citus the general statement cannot
+-- run through the coordinator's planner as one statement: Citus plans a statement whose
+-- WITH holds an INSERT part by part (only SELECT, UPDATE and DELETE parts are routed to one
+-- shard), and then refuses its row locks (FOR UPDATE) across shards. So the statement runs
+-- here, on the worker, on the group's own shards (the tables `<table>_<shard id>` beside
+-- this call), as PostgreSQL plans it on one node: one statement, its locks and writes on one
+-- node, the shards' triggers (the record's guard, history and notification) firing as on
+-- one node. Its text is steprecord_apply_events's own, read from the catalog, with each
+-- table named by its shard and each variable by a parameter: one statement, stated once.
+-- An event whose instance lives in another shard group is refused (the caller groups the
+-- events by shard: app/data/judge.py), and so is a call that Citus ran on a node without
+-- the group's shards (a call inside a transaction block is not delegated: call it alone).
+CREATE OR REPLACE FUNCTION steprecord_apply_events_on_shard(
+    p_instance_id bigint, p_i int[], p_instance_key text[], p_step_slug text[], p_kind text[],
+    p_attempt bigint[], p_started_at timestamptz[], p_completed_at timestamptz[],
+    p_output text[], p_external_output_url text[], p_error_code text[],
+    p_error_message text[], p_ordinal bigint[], p_lease_seconds int[],
+    p_trace_id text DEFAULT NULL
+) RETURNS TABLE (
+    i integer, outcome text, recorded boolean,
+    id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
+    output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
+    lease_expires_at timestamptz, error_code text, error_message text,
+    created_at timestamptz, updated_at timestamptz
+)
+LANGUAGE plpgsql
+SET steprecord.writer = 'judge'
+SET steprecord.trace_id = ''
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_ids bigint[];
+    v_shard bigint;
+    v_statement text;
+    v_table text;
+    v_shard_table text;
+BEGIN
+    IF to_regprocedure('get_shard_id_for_distribution_column(regclass,"any")') IS NULL THEN
+        RETURN QUERY SELECT * FROM steprecord_apply_events(
+            p_i, p_instance_key, p_step_slug, p_kind, p_attempt, p_started_at, p_completed_at,
+            p_output, p_external_output_url, p_error_code, p_error_message, p_ordinal,
+            p_lease_seconds, p_trace_id);
+        RETURN;
+    END IF;
+    PERFORM set_config('steprecord.trace_id', coalesce(p_trace_id, ''), true);
+    v_ids := ARRAY(SELECT DISTINCT steprecord_instance_id(k) FROM unnest(p_instance_key) k);
+    v_shard := get_shard_id_for_distribution_column('process_instance', p_instance_id);
+    IF EXISTS (SELECT 1 FROM unnest(v_ids) x
+               WHERE get_shard_id_for_distribution_column('process_instance', x) <> v_shard) THEN
+        RAISE EXCEPTION 'steprecord_apply_events_on_shard: the events'' instances live in more than one shard group'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+
+    -- The general statement: the text between RETURN QUERY and the END of its body.
+    SELECT substring(p.prosrc FROM 'RETURN QUERY(.*);\s*END\s*$') INTO v_statement
+    FROM pg_proc p
+    WHERE p.oid = 'steprecord_apply_events(int[], text[], text[], text[], bigint[],
+                   timestamptz[], timestamptz[], text[], text[], text[], text[], bigint[],
+                   int[], text)'::regprocedure;
+    FOREACH v_table IN ARRAY ARRAY['process_instance', 'workflow_step_record',
+                                   'workflow_step_attempt'] LOOP
+        v_shard_table := shard_name(v_table::regclass,
+                                    get_shard_id_for_distribution_column(v_table, p_instance_id));
+        IF to_regclass(v_shard_table) IS NULL THEN
+            RAISE EXCEPTION 'steprecord_apply_events_on_shard: shard % is not on this node', v_shard_table
+                USING ERRCODE = 'object_not_in_prerequisite_state',
+                      HINT = 'Call the function alone, outside a transaction block, so that Citus sends it to the worker holding the shard.';
+        END IF;
+        v_statement := regexp_replace(v_statement, '\m' || v_table || '\M', v_shard_table, 'g');
+        -- A unique key named in ON CONFLICT carries its shard's id on the shard.
+        v_statement := regexp_replace(v_statement, '\m(uq_' || v_table || '_\w+)\M',
+                                      '\1' || substring(v_shard_table FROM '_[0-9]+$'), 'g');
+    END LOOP;
+    v_statement := regexp_replace(v_statement, '\mv_now\M', '$14', 'g');
+    v_statement := regexp_replace(v_statement, '\mv_ids\M', '$15', 'g');
+    FOR n IN 1..13 LOOP
+        v_statement := regexp_replace(
+            v_statement,
+            '\m' || (ARRAY['p_i', 'p_instance_key', 'p_step_slug', 'p_kind', 'p_attempt',
+                           'p_started_at', 'p_completed_at', 'p_output', 'p_external_output_url',
+                           'p_error_code', 'p_error_message', 'p_ordinal',
+                           'p_lease_seconds'])[n] || '\M',
+            '$' || n, 'g');
+    END LOOP;
+
+    RETURN QUERY EXECUTE v_statement USING
+        p_i, p_instance_key, p_step_slug, p_kind, p_attempt, p_started_at, p_completed_at,
+        p_output, p_external_output_url, p_error_code, p_error_message, p_ordinal,
+        p_lease_seconds, v_now, v_ids;
+END
+$fn$;
