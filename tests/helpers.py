@@ -406,6 +406,30 @@ def rows_on_worker(worker_url: str, table: str) -> int:
     return total
 
 
+_NODE_OF = """
+SELECT n.nodeport FROM pg_dist_placement pl
+JOIN pg_dist_node n ON n.groupid = pl.groupid
+WHERE pl.shardid = get_shard_id_for_distribution_column(
+    'process_instance', steprecord_instance_id(%s))
+"""
+
+
+def one_key_per_worker(url: str, citus: CitusCluster) -> list[str]:
+    """An instance key whose shard is on each worker, in the workers' order."""
+    ports = [int(worker.port or 0) for worker in citus.workers]
+    found: dict[int, str] = {}
+    with psycopg.connect(url, autocommit=True) as conn:
+        for n in range(100):
+            key = f"run-{uuid.uuid4().hex[:8]}-{n}"
+            row = conn.execute(_NODE_OF, (key,)).fetchone()
+            assert row is not None
+            found.setdefault(int(row[0]), key)
+            if len(found) == len(ports):
+                break
+    assert sorted(found) == sorted(ports), found
+    return [found[port] for port in ports]
+
+
 @contextmanager
 def citus_cluster(root: Path, bin_path: Path, workers: int = 2) -> Iterator[CitusCluster]:
     """Starts a coordinator and `workers` workers under `root` (the extension created in each

@@ -3,13 +3,10 @@ notifications come from the worker holding the instance, a stream's read runs on
 and the sweeper writes one worker per transaction.
 
 The records are written with plain SQL through the coordinator, one instance per statement,
-as the judge writes them. Triggers with a transition table (the history's, as of this
-revision) are turned off in these tests' databases: Citus refuses them on a shard, and the
-history is not what these tests are about.
+as the judge writes them.
 """
 
 import time
-import uuid
 from collections.abc import Iterator
 
 import psycopg
@@ -20,22 +17,10 @@ from tests.helpers import (
     Stream,
     eventually,
     migrated_database,
+    one_key_per_worker,
     start_server,
     stop,
 )
-
-TRANSITION_TABLE_TRIGGERS = """
-SELECT tgname FROM pg_trigger
-WHERE tgrelid = 'workflow_step_record'::regclass
-  AND (tgoldtable IS NOT NULL OR tgnewtable IS NOT NULL)
-"""
-
-NODE_OF = """
-SELECT n.nodeport FROM pg_dist_placement pl
-JOIN pg_dist_node n ON n.groupid = pl.groupid
-WHERE pl.shardid = get_shard_id_for_distribution_column(
-    'process_instance', steprecord_instance_id(%s))
-"""
 
 NEW_INSTANCE = """
 INSERT INTO process_instance (id, instance_key) VALUES (steprecord_instance_id(%(key)s), %(key)s)
@@ -50,29 +35,9 @@ VALUES (steprecord_instance_id(%(key)s), %(step)s, %(ordinal)s, 'running', 1,
 
 @pytest.fixture
 def cluster_database(citus: CitusCluster) -> Iterator[str]:
-    """A database on the cluster, migrated (so distributed), without the record's triggers that
-    Citus cannot run on a shard."""
+    """A database on the cluster, migrated (so distributed)."""
     with migrated_database(citus.url, "steprecord_citus_live_") as url:
-        with psycopg.connect(url, autocommit=True) as conn:
-            for (trigger,) in conn.execute(TRANSITION_TABLE_TRIGGERS).fetchall():
-                conn.execute(f"ALTER TABLE workflow_step_record DISABLE TRIGGER {trigger}")
         yield url
-
-
-def one_key_per_worker(url: str, citus: CitusCluster) -> list[str]:
-    """An instance key whose shard is on each worker, in the workers' order."""
-    ports = [int(worker.port or 0) for worker in citus.workers]
-    found: dict[int, str] = {}
-    with psycopg.connect(url, autocommit=True) as conn:
-        for n in range(100):
-            key = f"run-{uuid.uuid4().hex[:8]}-{n}"
-            row = conn.execute(NODE_OF, (key,)).fetchone()
-            assert row is not None
-            found.setdefault(int(row[0]), key)
-            if len(found) == len(ports):
-                break
-    assert sorted(found) == sorted(ports), found
-    return [found[port] for port in ports]
 
 
 def write(url: str, statement: str, **params: object) -> float:

@@ -1,0 +1,219 @@
+"""The judge on a Citus cluster (the `citus` fixture), through the service: a batch is judged
+per shard group on the workers and answers as one node does, in request order; a new record
+and a late report go through the delegated one-event judge; racing events converge; and a
+refusal raised on a worker cites its constraint as on one node."""
+
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from app.data.common import constraint_name
+from app.data.judge import APPLY_EVENT
+from tests.helpers import (
+    CitusCluster,
+    attempts,
+    migrated_database,
+    one_key_per_worker,
+    post,
+    problem,
+    record,
+    rows_on_worker,
+    start_server,
+    stop,
+)
+
+T1 = "2026-01-01T00:00:01Z"
+T2 = "2026-01-01T00:00:02Z"
+
+
+@pytest.fixture(scope="module")
+def cluster_database(citus: CitusCluster) -> Iterator[str]:
+    with migrated_database(citus.url, "steprecord_citus_judge_") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def service(cluster_database: str) -> Iterator[str]:
+    base, proc = start_server(cluster_database, env={"STEPRECORD_SWEEP_SECONDS": "0"})
+    try:
+        yield base
+    finally:
+        stop(proc)
+
+
+@pytest.fixture
+def client(service: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=service, timeout=30) as c:
+        yield c
+
+
+def on_node(node_url: str, database: str) -> str:
+    return psycopg.conninfo.make_conninfo(node_url, dbname=database)
+
+
+def test_a_batch_spanning_both_workers_answers_in_request_order_as_one_node_does(
+    citus: CitusCluster, cluster_database: str, client: httpx.Client
+) -> None:
+    one, two = one_key_per_worker(cluster_database, citus)
+    events: list[dict[str, Any]] = [
+        {"instance_key": one, "step_slug": "a", "kind": "start", "attempt": 1},
+        {"instance_key": two, "step_slug": "a", "kind": "declare"},
+        {"instance_key": one, "step_slug": "b", "kind": "start", "ordinal": 5},
+        {"instance_key": two, "step_slug": "b", "kind": "start", "lease_seconds": 60},
+        # The same step again: it sees the effects of the events before it.
+        {"instance_key": one, "step_slug": "a", "kind": "complete", "attempt": 1},
+        {
+            "instance_key": two,
+            "step_slug": "b",
+            "kind": "heartbeat",
+            "attempt": 1,
+            "lease_seconds": 120,
+        },
+        {"instance_key": one, "step_slug": "a", "kind": "complete", "attempt": 1},
+        {"instance_key": two, "step_slug": "a", "kind": "start", "attempt": 2},
+        # A late report of attempt 1, which the history never saw (it was only declared):
+        # the report becomes its entry.
+        {
+            "instance_key": two,
+            "step_slug": "a",
+            "kind": "fail",
+            "attempt": 1,
+            "started_at": T1,
+            "completed_at": T2,
+            "error_code": "E",
+            "error_message": "late",
+        },
+        {"instance_key": one, "step_slug": "c", "kind": "complete"},
+    ]
+    response = client.post("/v1/events", json={"events": events})
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    summary = [
+        (r["status"], (r.get("record") or {}).get("status"), (r.get("record") or {}).get("ordinal"))
+        for r in results
+    ]
+    assert summary == [
+        (201, "running", 0),
+        (201, "pending", 0),
+        (201, "running", 5),
+        (201, "running", 1),
+        (200, "completed", 0),
+        (200, "running", 1),
+        (200, "completed", 0),  # a replay
+        (200, "running", 0),
+        (409, None, None),
+        (409, None, None),
+    ]
+    assert results[8]["problem"]["code"] == "stale_attempt"
+    assert results[8]["problem"]["recorded"] is True
+    assert results[9]["problem"]["code"] == "not_started"
+    assert [a["status"] for a in attempts(client, two, "a")] == ["failed", "running"]
+    # The rows are on both workers, each instance's on its own.
+    name = psycopg.conninfo.conninfo_to_dict(cluster_database)["dbname"]
+    assert isinstance(name, str)
+    for worker in citus.workers:
+        assert rows_on_worker(on_node(worker.url, name), "workflow_step_record") >= 2
+
+
+def test_a_new_record_and_a_late_report_go_through_the_delegated_one_event_judge(
+    cluster_database: str, client: httpx.Client
+) -> None:
+    key = f"one-{uuid.uuid4().hex[:8]}"
+    # The service's one-event statement is one task on one worker, the whole call sent there.
+    with (
+        psycopg.connect(cluster_database, autocommit=True) as conn,
+        psycopg.RawCursor(conn) as cur,
+    ):
+        cur.execute(f"EXPLAIN (VERBOSE) {APPLY_EVENT}", [0, key, "s", "start", *([None] * 10)])
+        plan = "\n".join(str(row[0]) for row in cur.fetchall())
+    assert "Task Count: 1" in plan
+    assert "Function Call: steprecord_apply_event(" in plan
+
+    assert post(client, "start", {"attempt": 1, "started_at": T1}, key, "s").status_code == 201
+    assert post(client, "start", {"attempt": 2}, key, "s").status_code == 200
+    late = {"attempt": 1, "completed_at": T2, "output": {"n": 1}}
+    body = problem(post(client, "complete", late, key, "s"), 409, "stale_attempt")
+    assert body["recorded"] is True
+    assert record(client, key, "s")["attempt_count"] == 2
+    items = attempts(client, key, "s")
+    assert [(a["attempt"], a["status"]) for a in items] == [(1, "completed"), (2, "running")]
+
+
+def test_racing_events_on_one_instance_converge(cluster_database: str, service: str) -> None:
+    """Eight clients at once, each creating steps of one new instance and moving a shared
+    step through its attempts: distinct ordinals, one record per step, the shared step at
+    its newest attempt."""
+    key = f"race-{uuid.uuid4().hex[:8]}"
+    barrier = threading.Barrier(8)
+    failures: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            with httpx.Client(base_url=service, timeout=60) as c:
+                barrier.wait(30)
+                for m in range(3):
+                    response = post(c, "start", None, key, f"own-{n}-{m}")
+                    assert response.status_code == 201, response.text
+                    response = post(c, "start", {"attempt": n + 1}, key, "shared")
+                    assert response.status_code in (200, 201, 409), response.text
+        except BaseException as exc:
+            failures.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not failures, failures
+    with httpx.Client(base_url=service, timeout=30) as c:
+        page = c.get(f"/v1/instances/{key}/steps", params={"limit": 100}).json()["items"]
+        shared = record(c, key, "shared")
+    ordinals = sorted(r["ordinal"] for r in page)
+    assert ordinals == list(range(25))
+    assert shared["attempt_count"] == 8
+    assert shared["status"] == "running"
+
+
+def test_refusals_raised_on_a_worker_cite_their_constraint_as_on_one_node(
+    cluster_database: str, client: httpx.Client
+) -> None:
+    key = f"refused-{uuid.uuid4().hex[:8]}"
+    # Through the service: a taken ordinal (a unique key on the shard) and a timing CHECK.
+    post(client, "start", {"ordinal": 3}, key, "a")
+    body = problem(post(client, "start", {"ordinal": 3}, key, "b"), 409, "ordinal_taken")
+    assert "ordinal 3 is held by step 'a'" in body["detail"]
+    post(client, "start", {"attempt": 1, "started_at": T2}, key, "t")
+    body = problem(
+        post(client, "complete", {"attempt": 1, "completed_at": T1}, key, "t"),
+        422,
+        "invalid_timing",
+    )
+    assert body["constraint"] == "ck_workflow_step_record_timing"
+    # Raw SQL through the coordinator: the guards' triggers and a unique key by their names.
+    post(client, "complete", {"attempt": 1}, key, "a")
+    where = f"instance_id = steprecord_instance_id('{key}') AND step_slug = 'a'"
+    refused = {
+        f"UPDATE workflow_step_record SET output = '2' WHERE {where}": (
+            "tr_workflow_step_record_transition"
+        ),
+        f"DELETE FROM workflow_step_attempt WHERE {where.replace('step_slug', 'attempt')}": (
+            "tr_workflow_step_attempt_guard"
+        ),
+        "INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status,"
+        f" attempt_count) SELECT instance_id, step_slug, 9, 'pending', 1"
+        f" FROM workflow_step_record WHERE {where}": (
+            "uq_workflow_step_record_instance_id_step_slug"
+        ),
+    }
+    with psycopg.connect(cluster_database, autocommit=True) as conn:
+        for statement, name in refused.items():
+            with pytest.raises(psycopg.errors.IntegrityError) as caught:
+                conn.execute(statement)
+            assert caught.value.diag.constraint_name is None  # as Citus forwards it
+            assert constraint_name(caught.value) == name, statement
