@@ -279,7 +279,13 @@ class BatchResponse(BaseModel):
 
 def batch_responses() -> dict[int | str, dict[str, Any]]:
     return {
-        200: {"model": BatchResponse, "description": "One result per event, in request order"},
+        200: {
+            "model": BatchResponse,
+            "description": "One result per event, in request order. On a Citus cluster the"
+            " events are judged per shard group, each group on its own worker: the events of a"
+            " group whose worker cannot be reached each get a 503 problem `unavailable` (retry"
+            " those), and the other groups' events are judged as usual",
+        },
         400: _problem("Body is not JSON"),
         413: _problem("Body over 16 MiB"),
         422: _problem("Malformed envelope"),

@@ -202,7 +202,7 @@ def test_refusals_raised_on_a_worker_cite_their_constraint_as_on_one_node(
         f"UPDATE workflow_step_record SET output = '2' WHERE {where}": (
             "tr_workflow_step_record_transition"
         ),
-        f"DELETE FROM workflow_step_attempt WHERE {where.replace('step_slug', 'attempt')}": (
+        f"DELETE FROM workflow_step_attempt WHERE instance_id = steprecord_instance_id('{key}')": (
             "tr_workflow_step_attempt_guard"
         ),
         "INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status,"

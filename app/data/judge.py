@@ -59,7 +59,7 @@ APPLY_EVENTS_ON_SHARD = (
 # On Citus, the shard group of each instance key, in order: one statement for a batch.
 SHARD_GROUPS = (
     "SELECT get_shard_id_for_distribution_column('process_instance', steprecord_instance_id(k))"
-    " AS shard FROM unnest($1::text[]) WITH ORDINALITY AS u(k, n) ORDER BY n"
+    " AS shard FROM unnest(%s::text[]) WITH ORDINALITY AS u(k, n) ORDER BY n"
 )
 HAS_CITUS = "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') AS citus"
 

@@ -1,13 +1,18 @@
-"""What the history's row triggers cost the judge on one node, against the statement
-triggers with transition tables they replaced (revision 0023; Citus cannot run the latter).
+"""What revision 0023 (the judge on Citus) costs the judge on one node: the history's row
+triggers, which replaced statement triggers with transition tables (Citus cannot run those on
+a shard), and the judge's statements as they are now.
 
 Run from the repository root:
-`.venv-test/bin/python -m tests.bench.history_triggers [--duration 10] [--rounds 5]`.
+`.venv-test/bin/python -m tests.bench.history_triggers [--duration 8] [--rounds 5]`.
 
 On run.py's PostgreSQL (the server in DATABASE_URL, else an embedded one), one database of
-its own, migrated to head. Each round installs one of the two texts of
-app/sql/attempt_history.sql (the statement triggers as revision 0022 froze them, the row
-triggers of the source), empties the tables, CHECKPOINTs, and runs pgbench at 16 clients:
+its own, migrated to head. Each round installs one variant of the judge's SQL:
+
+- 0022: app/sql/ as revision 0022 froze it (statement triggers, the judge before 0023);
+- 0022+row: the same with app/sql/attempt_history.sql of the source (the row triggers);
+- 0023: app/sql/ of the source;
+
+then empties the tables, CHECKPOINTs, and runs pgbench at 16 clients:
 
 - single: run.py's single events as the service sends them, one `steprecord_apply_event`
   call a transaction (a `start` of a new step, then the `complete` of the step the client
@@ -15,10 +20,9 @@ triggers of the source), empties the tables, CHECKPOINTs, and runs pgbench at 16
 - batch: run.py's limit batch, 100 events a `steprecord_apply_events` call (50 starts of new
   steps, 50 completes of the previous run's).
 
-The kinds alternate, the order turning each round; the table shows each kind's median round
-in events/s and its ratio to the statement triggers. Exits non-zero on any failed transaction
-and checks, after each round, that every record that is not pending has its attempt in the
-history (the triggers ran).
+The variants alternate, the order turning each round; the table shows each one's median
+round in events/s and its ratio to 0022. Exits non-zero on any failed transaction; after each
+round it checks that every record that is not pending has its attempt in the history.
 """
 
 from __future__ import annotations
@@ -33,7 +37,13 @@ from app.sql import frozen_as_of, source
 from tests.bench import run
 
 HISTORY = "attempt_history.sql"
-KINDS = {"statement": frozen_as_of(22)[HISTORY], "row": source()[HISTORY]}
+JUDGE = ("judge_rules.sql", "apply_events.sql", "apply_event.sql", "heartbeat.sql", HISTORY)
+BEFORE, AFTER = frozen_as_of(22), source()
+KINDS = {
+    "0022": "\n".join(BEFORE[name] for name in JUDGE),
+    "0022+row": "\n".join(BEFORE[name] for name in JUDGE if name != HISTORY) + AFTER[HISTORY],
+    "0023": "\n".join(AFTER[name] for name in JUDGE),
+}
 INSTANCES = 5000
 CLIENTS = 16
 
@@ -94,10 +104,10 @@ def main() -> int:
                     if load.errors:
                         print(f"{load_name}/{kind}: {load.detail}")
                     loads.setdefault((load_name, kind), []).append(load)
-        print(f"| load | trigger | events/s (median of {args.rounds}) | ratio to statement |")
+        print(f"| load | judge | events/s (median of {args.rounds}) | ratio to 0022 |")
         print("|---|---|---|---|")
         for load_name in scripts:
-            base = run.median_of(loads[(load_name, "statement")]).events_per_s
+            base = run.median_of(loads[(load_name, "0022")]).events_per_s
             for kind in kinds:
                 rate = run.median_of(loads[(load_name, kind)]).events_per_s
                 print(f"| {load_name} | {kind} | {rate:,.0f} | {rate / base:.2f} |")
