@@ -206,8 +206,7 @@ def test_refusals_raised_on_a_worker_cite_their_constraint_as_on_one_node(
             "tr_workflow_step_attempt_guard"
         ),
         "INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status,"
-        f" attempt_count) SELECT instance_id, step_slug, 9, 'pending', 1"
-        f" FROM workflow_step_record WHERE {where}": (
+        f" attempt_count) VALUES (steprecord_instance_id('{key}'), 'a', 9, 'pending', 1)": (
             "uq_workflow_step_record_instance_id_step_slug"
         ),
     }
