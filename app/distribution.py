@@ -9,9 +9,11 @@ next migrate (Citus copies the rows to the workers' shards; the tables are locke
 see docs/operations.md):
 
 1. `citus.enable_unsafe_triggers = on` for the database: Citus distributes a table with
-   triggers, and runs them on each shard, only so. The record's guard, the history's guard
-   and the changed-xid stamp are row triggers, which run on the shard beside the row. The
-   schema's functions are copied to every worker (those made before the extension came).
+   triggers, and runs them on each shard, only so. The record's guard, its history and
+   notification triggers, the history's guard and the changed-xid stamp are row triggers,
+   which run on the shard beside the row (the history's write its record's history row on the
+   co-located shard). The schema's functions are copied to every worker (those made before
+   the extension came).
 2. `api_token` and `access_policy` stay on the coordinator, plain tables: only the service
    reads them there, no statement joins them with a distributed table, and the trigger that
    makes a first token require tokens writes `access_policy` from `api_token`, which Citus

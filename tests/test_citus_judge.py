@@ -25,6 +25,7 @@ from tests.helpers import (
     rows_on_worker,
     start_server,
     stop,
+    wait_for,
 )
 
 T1 = "2026-01-01T00:00:01Z"
@@ -216,3 +217,42 @@ def test_refusals_raised_on_a_worker_cite_their_constraint_as_on_one_node(
                 conn.execute(statement)
             assert caught.value.diag.constraint_name is None  # as Citus forwards it
             assert constraint_name(caught.value) == name, statement
+
+
+def test_a_batch_group_whose_worker_is_down_answers_503_and_the_other_groups_commit(
+    citus: CitusCluster, cluster_database: str, client: httpx.Client
+) -> None:
+    up, down = one_key_per_worker(cluster_database, citus)
+    events = [
+        {"instance_key": down, "step_slug": "a", "kind": "start"},
+        {"instance_key": up, "step_slug": "a", "kind": "start"},
+        {"instance_key": down, "step_slug": "b", "kind": "declare"},
+        {"instance_key": up, "step_slug": "b", "kind": "declare"},
+    ]
+    citus.workers[1].stop()
+    try:
+        response = client.post("/v1/events", json={"events": events})
+    finally:
+        citus.workers[1].start()
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    assert [r["status"] for r in results] == [503, 201, 503, 201]
+    for result in (results[0], results[2]):
+        assert result["problem"]["code"] == "unavailable"
+        assert "retry after" in result["problem"]["detail"]
+    assert [r["step_slug"] for r in client.get(f"/v1/instances/{up}/steps").json()["items"]] == [
+        "a",
+        "b",
+    ]
+    # Once the worker is back, the same events are judged there.
+    again = wait_for(
+        "the worker back",
+        lambda: (
+            r
+            if (r := client.post("/v1/events", json={"events": events[::2]})).status_code == 200
+            and all(x["status"] == 201 for x in r.json()["results"])
+            else None
+        ),
+        seconds=60,
+    )
+    assert [x["record"]["ordinal"] for x in again.json()["results"]] == [0, 1]
