@@ -406,6 +406,45 @@ def rows_on_worker(worker_url: str, table: str) -> int:
     return total
 
 
+# The node holding an instance's rows: its shard's placement.
+NODE_OF = """
+SELECT n.nodeport FROM pg_dist_placement pl
+JOIN pg_dist_node n ON n.groupid = pl.groupid
+WHERE pl.shardid = get_shard_id_for_distribution_column(
+    'process_instance', steprecord_instance_id(%s))
+"""
+
+
+def one_key_per_worker(url: str, citus: CitusCluster) -> list[str]:
+    """An instance key whose shard is on each worker, in the workers' order."""
+    ports = [int(worker.port or 0) for worker in citus.workers]
+    found: dict[int, str] = {}
+    with psycopg.connect(url, autocommit=True) as conn:
+        for n in range(100):
+            key = f"run-{uuid.uuid4().hex[:8]}-{n}"
+            row = conn.execute(NODE_OF, (key,)).fetchone()
+            assert row is not None
+            found.setdefault(int(row[0]), key)
+            if len(found) == len(ports):
+                break
+    assert sorted(found) == sorted(ports), found
+    return [found[port] for port in ports]
+
+
+TRANSITION_TABLE_TRIGGERS = """
+SELECT tgname FROM pg_trigger
+WHERE tgrelid = 'workflow_step_record'::regclass
+  AND (tgoldtable IS NOT NULL OR tgnewtable IS NOT NULL)
+"""
+
+
+def without_transition_table_triggers(conn: psycopg.Connection[Any]) -> None:
+    """Turn off the record's triggers with a transition table (the history's, as of this
+    revision), which Citus refuses on a shard, in a cluster test's database."""
+    for (trigger,) in conn.execute(TRANSITION_TABLE_TRIGGERS).fetchall():
+        conn.execute(f"ALTER TABLE workflow_step_record DISABLE TRIGGER {trigger}")
+
+
 @contextmanager
 def citus_cluster(root: Path, bin_path: Path, workers: int = 2) -> Iterator[CitusCluster]:
     """Starts a coordinator and `workers` workers under `root` (the extension created in each

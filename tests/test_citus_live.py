@@ -20,22 +20,11 @@ from tests.helpers import (
     Stream,
     eventually,
     migrated_database,
+    one_key_per_worker,
     start_server,
     stop,
+    without_transition_table_triggers,
 )
-
-TRANSITION_TABLE_TRIGGERS = """
-SELECT tgname FROM pg_trigger
-WHERE tgrelid = 'workflow_step_record'::regclass
-  AND (tgoldtable IS NOT NULL OR tgnewtable IS NOT NULL)
-"""
-
-NODE_OF = """
-SELECT n.nodeport FROM pg_dist_placement pl
-JOIN pg_dist_node n ON n.groupid = pl.groupid
-WHERE pl.shardid = get_shard_id_for_distribution_column(
-    'process_instance', steprecord_instance_id(%s))
-"""
 
 NEW_INSTANCE = """
 INSERT INTO process_instance (id, instance_key) VALUES (steprecord_instance_id(%(key)s), %(key)s)
@@ -54,25 +43,8 @@ def cluster_database(citus: CitusCluster) -> Iterator[str]:
     Citus cannot run on a shard."""
     with migrated_database(citus.url, "steprecord_citus_live_") as url:
         with psycopg.connect(url, autocommit=True) as conn:
-            for (trigger,) in conn.execute(TRANSITION_TABLE_TRIGGERS).fetchall():
-                conn.execute(f"ALTER TABLE workflow_step_record DISABLE TRIGGER {trigger}")
+            without_transition_table_triggers(conn)
         yield url
-
-
-def one_key_per_worker(url: str, citus: CitusCluster) -> list[str]:
-    """An instance key whose shard is on each worker, in the workers' order."""
-    ports = [int(worker.port or 0) for worker in citus.workers]
-    found: dict[int, str] = {}
-    with psycopg.connect(url, autocommit=True) as conn:
-        for n in range(100):
-            key = f"run-{uuid.uuid4().hex[:8]}-{n}"
-            row = conn.execute(NODE_OF, (key,)).fetchone()
-            assert row is not None
-            found.setdefault(int(row[0]), key)
-            if len(found) == len(ports):
-                break
-    assert sorted(found) == sorted(ports), found
-    return [found[port] for port in ports]
 
 
 def write(url: str, statement: str, **params: object) -> float:
