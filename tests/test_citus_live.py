@@ -9,7 +9,6 @@ history is not what these tests are about.
 """
 
 import time
-import uuid
 from collections.abc import Iterator
 
 import psycopg
