@@ -73,6 +73,10 @@ def test_a_stopped_worker_answers_503_for_its_instances_the_other_keeps_working_
                     assert written.status_code == 201, written.text
                     accepted.append((key, step))
                 assert record(client, up, step)["status"] == "running"
+            # A read over every shard needs every worker.
+            listed = client.get("/v1/instances")
+            problem(listed, 503, "unavailable")
+            assert str(stopped.port) not in listed.text
         finally:
             stopped.start()
 
