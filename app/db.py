@@ -73,8 +73,22 @@ PUBLIC_BY_SQLSTATE = {
 }
 
 
+# On Citus the coordinator reports a worker it cannot reach as a connection failure (08006)
+# of its own statement, naming the worker's host and port; the service's connection to the
+# coordinator is intact.
+REMOTE_NODE_FAILED = "connection to the remote node "
+
+
+def remote_node_failed(exc: psycopg.Error) -> bool:
+    """The database (a Citus coordinator) could not reach a node holding the data."""
+    message = exc.diag.message_primary or ""
+    return (exc.sqlstate or "").startswith("08") and message.startswith(REMOTE_NODE_FAILED)
+
+
 def public_reason(exc: psycopg.Error) -> str:
     """Why a statement failed as an outage, in words fit for a client (see `PUBLIC_BY_SQLSTATE`)."""
+    if remote_node_failed(exc):
+        return "a database node holding this data (a Citus worker) cannot be reached"
     sqlstate = exc.sqlstate or ""
     reason = PUBLIC_BY_SQLSTATE.get(sqlstate) or PUBLIC_BY_SQLSTATE.get(sqlstate[:2])
     if reason is None and isinstance(exc, psycopg.OperationalError) and not sqlstate:
@@ -279,9 +293,13 @@ def lost(conn: AsyncConn, exc: psycopg.OperationalError) -> bool:
     """The connection is gone, as opposed to a statement refused on a healthy one.
 
     A timeout, a lock or resource limit (classes 53, 55, 57014) or a deadlock (class 40)
-    leaves the connection usable; a broken socket, class 08 or the end of the session does not.
+    leaves the connection usable; a broken socket, class 08 or the end of the session does not,
+    except a Citus worker the coordinator could not reach (the connection to the coordinator
+    is fine, and so are the pool's others).
     """
     sqlstate = exc.sqlstate or ""
+    if not conn.closed and remote_node_failed(exc):
+        return False
     return conn.closed or sqlstate.startswith("08") or sqlstate in SESSION_ENDED
 
 

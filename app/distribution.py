@@ -86,6 +86,15 @@ ORDER BY p.oid
 """
 
 
+def custom_plan_statements() -> list[str]:
+    """The statements by which distribution makes the judge's functions plan with their values
+    (5. above): all it changes in the functions `app/sql/` defines."""
+    return [
+        f"ALTER FUNCTION {function} SET plan_cache_mode = force_custom_plan"
+        for function in CUSTOM_PLANS
+    ]
+
+
 def has_citus(connection: Connection) -> bool:
     return connection.exec_driver_sql(HAS_CITUS).first() is not None
 
@@ -127,6 +136,6 @@ def distribute(connection: Connection) -> bool:
                 " colocate_with => 'process_instance')",
                 (function,),
             )
-    for function in CUSTOM_PLANS:
-        sql(f"ALTER FUNCTION {function} SET plan_cache_mode = force_custom_plan")
+    for statement in custom_plan_statements():
+        sql(statement)
     return True

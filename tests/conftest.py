@@ -60,16 +60,31 @@ def server_dsn(
             embedded.stop()
 
 
-@pytest.fixture(scope="session")
-def citus() -> Iterator[CitusCluster]:
-    """A Citus cluster of the tests' own: a coordinator and two workers, stopped at the end.
-    Without Citus installed its tests are skipped, except in CI (`CI=true`), where they fail."""
+def _citus_bin_path() -> Path:
+    """Where Citus is installed. Without it the Citus tests are skipped, except in CI
+    (`CI=true`), where they fail."""
     bin_path = citus_bin_path()
     if bin_path is None:
         reason = "Citus is not installed in any PostgreSQL here"
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI needs the Citus tests: {reason}")
         pytest.skip(reason)
+    return bin_path
+
+
+@pytest.fixture(scope="session")
+def citus() -> Iterator[CitusCluster]:
+    """A Citus cluster of the tests' own: a coordinator and two workers, stopped at the end."""
+    bin_path = _citus_bin_path()
+    with server_directory() as root, citus_cluster(root, bin_path) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def own_citus() -> Iterator[CitusCluster]:
+    """A Citus cluster of one test's own, whose nodes the test may stop and start (each is
+    stopped at the end, whatever the test left running)."""
+    bin_path = _citus_bin_path()
     with server_directory() as root, citus_cluster(root, bin_path) as cluster:
         yield cluster
 

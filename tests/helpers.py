@@ -340,12 +340,21 @@ def drop_database(server_dsn: str, name: str) -> None:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def has_citus(url: str) -> bool:
+    """The database has the citus extension (so `steprecord migrate` distributed it)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        return (
+            conn.execute("SELECT 1 FROM pg_extension WHERE extname = 'citus'").fetchone()
+            is not None
+        )
+
+
 def citus_workers(server_dsn: str) -> list[str]:
     """The maintenance URLs of the workers of the Citus cluster whose coordinator `server_dsn`
     reaches (its own database's node list), or none when that is no Citus coordinator."""
+    if not has_citus(server_dsn):
+        return []
     with psycopg.connect(server_dsn, autocommit=True) as conn:
-        if conn.execute("SELECT 1 FROM pg_extension WHERE extname = 'citus'").fetchone() is None:
-            return []
         rows = conn.execute(
             "SELECT nodename, nodeport FROM pg_dist_node WHERE noderole = 'primary'"
             " AND groupid <> 0 ORDER BY nodeid"

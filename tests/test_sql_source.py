@@ -8,12 +8,15 @@ import re
 from pathlib import Path
 
 import psycopg
+import pytest
 from alembic import command
 from alembic.script import ScriptDirectory
 
 from app.cli import migrate
+from app.distribution import custom_plan_statements
 from app.main import alembic_config
 from app.sql import COMMAND, frozen_as_of, render, revision_number, source
+from tests.helpers import has_citus
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = sorted((ROOT / "app" / "sql").glob("*.sql"))
@@ -44,8 +47,13 @@ def test_the_database_at_head_holds_exactly_the_functions_and_triggers_of_app_sq
     in the database is missing from the source and nothing in the source is missing from
     the database, and each function is byte for byte the same."""
     migrate(scratch_database)
+    distributed = has_citus(scratch_database)
     with psycopg.connect(scratch_database) as conn:
         at_head = catalog(conn)
+        if distributed:
+            # The coordinator's catalog alone: the drops and installs below stay on it (Citus
+            # would send each to the workers, and refuses a file of several statements).
+            conn.execute("SET LOCAL citus.enable_ddl_propagation = off")
         assert any(name.startswith("function steprecord_apply_event(") for name in at_head)
         for name in at_head:
             if name.startswith("function "):
@@ -53,6 +61,9 @@ def test_the_database_at_head_holds_exactly_the_functions_and_triggers_of_app_sq
         assert catalog(conn) == {}
         for path in SOURCE:
             conn.execute(path.read_text())
+        if distributed:  # what distribution changes in the functions, and nothing else
+            for statement in custom_plan_statements():
+                conn.execute(statement)
         from_source = catalog(conn)
         conn.rollback()
     assert from_source.keys() == at_head.keys()
@@ -135,6 +146,12 @@ def test_every_revision_s_downgrade_restores_the_schema_its_upgrade_found(
 ) -> None:
     """Revision by revision from an empty database: upgrade, downgrade, and the functions,
     triggers, constraints, indexes and columns are exactly what they were; then upgrade."""
+    if has_citus(scratch_database):
+        pytest.skip(
+            "one node's revisions: each upgrade ends by distributing on Citus, which the"
+            " revisions before instance ids were derived (0020) cannot be (their unique keys"
+            " leave out the distribution column); the cluster starts at head"
+        )
     config = alembic_config()
     config.attributes["database_url"] = scratch_database
     revisions = [script.revision for script in ScriptDirectory.from_config(config).walk_revisions()]
