@@ -21,7 +21,7 @@ from app.routes.common import (
     read_json,
     read_pool,
 )
-from app.serialize import dumps_page, record_json
+from app.serialize import record_json
 
 router = APIRouter(route_class=KnownQuery)
 
@@ -96,5 +96,8 @@ async def list_repairs(
     page = await read_pool(request).run(
         lambda conn: data.list_repairs(conn, instance_key, before=before, limit=limit)
     )
-    body = dumps_page(page.items, _repair_json, page.last, cursors.repairs_cursor)
-    return Response(body, media_type="application/json")
+    # A page never nears MAX_PAGE_BYTES: 1000 entries of at most 900 characters each.
+    next_cursor = None if page.last is None else cursors.repairs_cursor(page.last)
+    return json_response(
+        {"items": [_repair_json(item) for item in page.items], "next_cursor": next_cursor}
+    )

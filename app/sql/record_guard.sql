@@ -33,7 +33,8 @@ BEGIN
     ELSIF NEW.status = 'pending' AND NEW.attempt_count > OLD.attempt_count
           AND NOT (OLD.status IN ('completed', 'failed')
                    AND NEW.attempt_count = OLD.attempt_count + 1
-                   AND current_setting('steprecord.writer', true) = 'repair') THEN
+                   AND current_setting('steprecord.writer', true) IS NOT DISTINCT FROM 'repair')
+          THEN
         why := 'only steprecord_reopen takes a record back to pending, from finished, at'
                ' the next attempt';
     ELSIF OLD.status IN ('completed', 'failed') AND NEW.attempt_count = OLD.attempt_count

@@ -14,9 +14,9 @@
 -- Answer: one row, `outcome` and the record as it stands after the call, plus the repair
 -- log entry (repair_id, repair_at) when one was written. Outcomes:
 --   * instance_not_found, step_not_found: no record (the record's columns are NULL);
---   * not_finished: the record is pending or running, nothing to reopen;
 --   * stale_attempt: p_attempt is not the record's attempt_count (another operator, or a
 --     new attempt, came first): nothing written;
+--   * not_finished: the record is pending or running, nothing to reopen;
 --   * no_attempt_left: the record is at the last attempt there is (2147483647);
 --   * reopened: the record is pending at attempt_count + 1, its times, output, error and
 --     lease cleared, and one repair log entry was written.
@@ -72,10 +72,12 @@ BEGIN
         RETURN;
     END IF;
 
-    IF r.status NOT IN ('completed', 'failed') THEN
-        v_outcome := 'not_finished';
-    ELSIF p_attempt IS NOT NULL AND p_attempt <> r.attempt_count THEN
+    -- A named attempt first: an operator who saw attempt N finished and asks to reopen it
+    -- learns that another one is current, even when that one is pending or running.
+    IF p_attempt IS NOT NULL AND p_attempt <> r.attempt_count THEN
         v_outcome := 'stale_attempt';
+    ELSIF r.status NOT IN ('completed', 'failed') THEN
+        v_outcome := 'not_finished';
     ELSIF r.attempt_count >= 2147483647 THEN
         v_outcome := 'no_attempt_left';
     END IF;

@@ -39,7 +39,8 @@ BEGIN
     ELSIF NEW.status = 'pending' AND NEW.attempt_count > OLD.attempt_count
           AND NOT (OLD.status IN ('completed', 'failed')
                    AND NEW.attempt_count = OLD.attempt_count + 1
-                   AND current_setting('steprecord.writer', true) = 'repair') THEN
+                   AND current_setting('steprecord.writer', true) IS NOT DISTINCT FROM 'repair')
+          THEN
         why := 'only steprecord_reopen takes a record back to pending, from finished, at'
                ' the next attempt';
     ELSIF OLD.status IN ('completed', 'failed') AND NEW.attempt_count = OLD.attempt_count
@@ -81,9 +82,9 @@ FOR EACH ROW EXECUTE FUNCTION workflow_step_record_guard_transition();
 -- Answer: one row, `outcome` and the record as it stands after the call, plus the repair
 -- log entry (repair_id, repair_at) when one was written. Outcomes:
 --   * instance_not_found, step_not_found: no record (the record's columns are NULL);
---   * not_finished: the record is pending or running, nothing to reopen;
 --   * stale_attempt: p_attempt is not the record's attempt_count (another operator, or a
 --     new attempt, came first): nothing written;
+--   * not_finished: the record is pending or running, nothing to reopen;
 --   * no_attempt_left: the record is at the last attempt there is (2147483647);
 --   * reopened: the record is pending at attempt_count + 1, its times, output, error and
 --     lease cleared, and one repair log entry was written.
@@ -139,10 +140,12 @@ BEGIN
         RETURN;
     END IF;
 
-    IF r.status NOT IN ('completed', 'failed') THEN
-        v_outcome := 'not_finished';
-    ELSIF p_attempt IS NOT NULL AND p_attempt <> r.attempt_count THEN
+    -- A named attempt first: an operator who saw attempt N finished and asks to reopen it
+    -- learns that another one is current, even when that one is pending or running.
+    IF p_attempt IS NOT NULL AND p_attempt <> r.attempt_count THEN
         v_outcome := 'stale_attempt';
+    ELSIF r.status NOT IN ('completed', 'failed') THEN
+        v_outcome := 'not_finished';
     ELSIF r.attempt_count >= 2147483647 THEN
         v_outcome := 'no_attempt_left';
     END IF;
