@@ -46,7 +46,7 @@ FROM pg_dist_partition ORDER BY 1
 """
 FUNCTION = """
 SELECT distribution_argument_index, colocationid FROM pg_dist_object
-WHERE objid = 'steprecord_apply_event'::regproc
+WHERE objid = %s::regproc
 """
 
 
@@ -70,17 +70,20 @@ def test_migrate_distributes_the_fact_tables_by_instance_and_the_judge_with_them
         migrate(url)  # again: already distributed, nothing to do
         with psycopg.connect(url) as conn:
             tables = conn.execute(TABLES).fetchall()
-            function = conn.execute(FUNCTION).fetchone()
+            function = conn.execute(FUNCTION, ("steprecord_apply_event",)).fetchone()
+            reopen = conn.execute(FUNCTION, ("steprecord_reopen",)).fetchone()
         by_name = {table: (method, column) for table, method, column, _ in tables}
         assert by_name == {  # the tokens and the access policy stay on the coordinator
             "process_instance": ("h", "id"),
             "workflow_step_attempt": ("h", "instance_id"),
             "workflow_step_record": ("h", "instance_id"),
+            "workflow_step_repair": ("h", "instance_id"),
         }
         colocation = {colocated for table, _, _, colocated in tables if by_name[table][0] == "h"}
         assert len(colocation) == 1
-        # The one-event judge is delegated by its first argument, the instance's id.
-        assert function == (0, colocation.pop())
+        # The one-event judge, and an operator's reopen, are delegated by their first
+        # argument, the instance's id.
+        assert function == reopen == (0, colocation.pop())
         # Every shard on every worker carries the CHECKs and the guard triggers (as many
         # instance shards as record shards: co-located).
         for worker in citus.workers:

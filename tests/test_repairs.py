@@ -14,8 +14,11 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from alembic import command
 from steprecord_client import AsyncRecorder, Recorder, StaleAttempt
 
+from app.cli import migrate
+from app.main import alembic_config
 from tests.helpers import (
     Stream,
     access_loaded,
@@ -449,3 +452,53 @@ def test_reopen_needs_an_admin_token_and_stays_inside_its_prefix(with_tokens: To
         }
         assert [r["by"] for r in logs["acme-1"]] == ["acme-ops"]
         assert [r["by"] for r in logs["globex-1"]] == ["ops-admin"]
+
+
+# --- the migration -------------------------------------------------------------------------
+
+
+def test_migration_0024_downgrades_with_repairs_and_admin_tokens_and_upgrades_again(
+    scratch_database: str,
+) -> None:
+    migrate(scratch_database)
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        conn.execute(
+            "SELECT * FROM steprecord_apply_event(steprecord_instance_id('k'), 0, 'k', 's',"
+            " 'complete', 1, now(), now(), NULL, NULL, NULL, NULL, NULL, NULL)"
+        )
+        conn.execute(
+            "SELECT * FROM steprecord_reopen(steprecord_instance_id('k'), 'k', 's', 1, 'why', 'me')"
+        )
+        conn.execute(
+            "INSERT INTO api_token (name, scope, token_sha256) VALUES"
+            " ('boss', 'admin', sha256('a')), ('ci', 'write', sha256('b'))"
+        )
+    config = alembic_config()
+    config.attributes["database_url"] = scratch_database
+    command.downgrade(config, "0022")
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        assert conn.execute("SELECT name FROM api_token").fetchall() == [("ci",)]
+        assert conn.execute("SELECT to_regclass('workflow_step_repair')").fetchone() == (None,)
+        assert conn.execute(
+            "SELECT count(*) FROM pg_proc WHERE proname IN"
+            " ('steprecord_reopen', 'workflow_step_repair_guard')"
+        ).fetchone() == (0,)
+        # The guard as 0022 left it: a finished record back to pending at the next attempt
+        # was not refused by it then.
+        guard = conn.execute(
+            "SELECT prosrc FROM pg_proc WHERE proname = 'workflow_step_record_guard_transition'"
+        ).fetchone()
+        assert guard is not None
+        assert "steprecord.writer" not in guard[0]
+        with pytest.raises(psycopg.errors.CheckViolation):
+            conn.execute(
+                "INSERT INTO api_token (name, scope, token_sha256)"
+                " VALUES ('x', 'admin', sha256('c'))"
+            )
+    migrate(scratch_database)
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        (outcome,) = conn.execute(
+            "SELECT outcome FROM steprecord_reopen(steprecord_instance_id('k'), 'k', 's', 2,"
+            " 'why', 'me')"
+        ).fetchone() or (None,)
+        assert outcome == "not_finished"
