@@ -115,7 +115,9 @@ DECLARE
     -- of a distributed table, so the statements below never call a clock.
     v_now timestamptz := clock_timestamp();
     v_outcome text;
-    r workflow_step_record%ROWTYPE;
+    -- The record as it stands (a `record`, not workflow_step_record%ROWTYPE: on Citus the
+    -- function is made on the workers before the tables are, and a row type would not resolve).
+    r record;
     v_repair_id bigint;
 BEGIN
     -- The record, locked: a concurrent event or reopen of it waits until this call's
