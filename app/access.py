@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import logging
 import os
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -36,7 +37,11 @@ from app.errors import Problem, problem_response
 log = logging.getLogger("steprecord.access")
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json", *docs.OPEN_PATHS, *ui.OPEN_PATHS})
 COOKIE_METHODS = frozenset({"GET", "HEAD"})
-SCOPES = ("read", "write")
+# Each scope includes the ones before it: `write` reads, `admin` writes and repairs.
+SCOPES = ("read", "write", "admin")
+RANK = {scope: rank for rank, scope in enumerate(SCOPES)}
+# The repairs (POST .../steps/{step_slug}/reopen) need admin scope.
+ADMIN_PATH = re.compile(r"^/v1/instances/[^/]+/steps/[^/]+/reopen$")
 MAX_BACKOFF_SECONDS = 30.0
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 PROXY_HEADERS = frozenset(
@@ -64,6 +69,7 @@ def digest(token: str) -> bytes:
 @dataclass(frozen=True, slots=True)
 class Grant:
     token_id: int
+    name: str  # who writes, as the repair log names them
     scope: str
     digest: bytes
     key_prefix: str | None  # only instances whose key starts with it exist for this token
@@ -80,6 +86,14 @@ class Admission:
     def holder(self) -> int | None:
         """Whose request it is: its token's id, None for anonymous access."""
         return None if self.grant is None else self.grant.token_id
+
+    @property
+    def name(self) -> str:
+        """Who writes: the token's name, `anonymous` without one."""
+        return ANONYMOUS if self.grant is None else self.grant.name
+
+
+ANONYMOUS = "anonymous"
 
 
 ADMISSION = "admission"  # the key of the request's `Admission` in its scope's state
@@ -132,7 +146,7 @@ class Tokens:
             anonymous_allowed = await tokens.anonymous_allowed(conn)
         grants = {
             bytes(r["token_sha256"]): Grant(
-                r["id"], r["scope"], bytes(r["token_sha256"]), r["key_prefix"]
+                r["id"], r["name"], r["scope"], bytes(r["token_sha256"]), r["key_prefix"]
             )
             for r in rows
         }
@@ -224,15 +238,28 @@ class Tokens:
         grant = grants.get(presented)
         if grant is None or not hmac.compare_digest(grant.digest, presented):
             return Problem(401, "unauthorized", "unknown or revoked token")
-        if needed == "write" and grant.scope != "write":
-            return Problem(
-                403,
-                "forbidden",
-                "this token may only read: writes need a token of scope write (steprecord"
-                " token create NAME --scope write)",
-            )
+        if RANK[grant.scope] < RANK[needed]:
+            return Problem(403, "forbidden", FORBIDDEN[grant.scope, needed])
         self._used.add(grant.token_id)
         return grant
+
+
+FORBIDDEN = {
+    ("read", "write"): "this token may only read: writes need a token of scope write (steprecord"
+    " token create NAME --scope write)",
+    ("read", "admin"): "this token may only read: repairs need a token of scope admin"
+    " (steprecord token create NAME --scope admin)",
+    ("write", "admin"): "this token may read and write but not repair: repairs need a token of"
+    " scope admin (steprecord token create NAME --scope admin)",
+}
+
+
+def needed_scope(method: str, path: str) -> str:
+    """The scope a request needs: read for GET, HEAD and OPTIONS, admin for a repair, else
+    write."""
+    if method in READ_METHODS:
+        return "read"
+    return "admin" if ADMIN_PATH.match(path) else "write"
 
 
 def _is_direct(scope: Scope, proxied: bool) -> bool:
@@ -241,7 +268,8 @@ def _is_direct(scope: Scope, proxied: bool) -> bool:
 
 
 class AccessControl:
-    """ASGI middleware: GET, HEAD and OPTIONS need a read token, any other method a write one."""
+    """ASGI middleware: GET, HEAD and OPTIONS need a read token, a repair an admin one, any
+    other method a write one."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -262,7 +290,7 @@ class AccessControl:
                 cookie = ui.token_from_cookie(value.decode("latin-1")) or cookie
             elif name in PROXY_HEADERS:
                 proxied = True
-        needed = "read" if scope["method"] in READ_METHODS else "write"
+        needed = needed_scope(scope["method"], scope["path"])
         direct = _is_direct(scope, proxied)
         session = None
         if authorization is None and cookie is not None and scope["method"] in COOKIE_METHODS:

@@ -108,6 +108,44 @@ class FailBody(_FinishBody):
         return value
 
 
+MAX_REASON_CHARS = 500
+
+
+def _not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must say why, in 1 to 500 characters (not only spaces)")
+    return value
+
+
+class ReopenBody(_Body):
+    """An operator's reopen of a finished step (admin scope)."""
+
+    reason: Annotated[
+        StrictStr,
+        Field(min_length=1, max_length=MAX_REASON_CHARS, description="Why: kept in the repair log"),
+        AfterValidator(_not_blank),
+    ]
+    attempt: Attempt | None = Field(
+        default=None,
+        description="The attempt the operator saw finished; another one current is a 409"
+        " stale_attempt, so two operators never reopen twice",
+    )
+
+
+def parse_reopen(instance_key: str, step_slug: str, body: Any) -> ReopenBody:
+    """Validate a reopen's body; raise a `Problem` naming every bad field."""
+    check_names(instance_key=instance_key, step_slug=step_slug)
+    if not isinstance(body, dict):
+        message = "must be a JSON object with a reason" if body is not None else "required"
+        raise validation_problem(
+            [{"field": "body" if body is not None else "reason", "message": message}]
+        )
+    try:
+        return ReopenBody.model_validate(body)
+    except ValidationError as exc:
+        raise validation_problem(_errors(exc, list(ReopenBody.model_fields))) from None
+
+
 BODIES: dict[Kind, type[_Body]] = {
     "declare": DeclareBody,
     "start": StartBody,

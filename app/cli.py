@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import errno
+import getpass
 import json
 import os
 import secrets
@@ -26,12 +27,15 @@ from uvicorn.supervisors import Multiprocess
 from app import __version__, domain, pruning
 from app import main as wiring
 from app.access import SCOPES, new_token
+from app.bodies import parse_reopen
 from app.config import Settings, is_loopback, parse_duration, redact
-from app.data import retention, revision, tokens
+from app.data import repairs, retention, revision, tokens
 from app.db import AsyncConn
 from app.embedded import EmbeddedPostgres
+from app.errors import Problem, to_problem
 from app.limits import PREFIX_DELIMITED_RE, PREFIX_RE
 from app.main import alembic_config, create_app, known_revisions, schema_head
+from app.serialize import dumps, record_json
 from app.server import ServerConfig
 
 
@@ -483,6 +487,70 @@ def environment_help() -> str:
     )
 
 
+def writer_name() -> str:
+    """Who the repair log names for a repair made with the CLI: `cli:` and the OS user (`cli`
+    alone when the user has no name)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        return "cli"
+    return f"cli:{user}"[:200] if user else "cli"
+
+
+async def _repair(args: argparse.Namespace, url: str) -> int:
+    """`steprecord repair reopen KEY SLUG --reason TEXT [--attempt N]`: the same judge as the
+    API's reopen; the record goes to stdout as JSON, any message to stderr."""
+    body: dict[str, Any] = {"reason": args.reason}
+    if args.attempt is not None:
+        body["attempt"] = args.attempt
+    try:
+        parsed = parse_reopen(args.instance_key, args.step_slug, body)
+    except Problem as problem:
+        print(f"cannot reopen: {problem.detail}", file=sys.stderr)
+        return 2
+    async with await psycopg.AsyncConnection.connect(
+        url, autocommit=True, row_factory=dict_row
+    ) as conn:
+        refusal = await schema_refusal(conn, "repair reopen")
+        if refusal is not None:
+            print(refusal, file=sys.stderr)
+            return 1
+        by = writer_name()
+        try:
+            done = await repairs.reopen(
+                conn,
+                args.instance_key,
+                args.step_slug,
+                attempt=parsed.attempt,
+                reason=parsed.reason,
+                by=by,
+            )
+        except (domain.InstanceNotFound, domain.StepNotFound) as exc:
+            print(f"cannot reopen: {to_problem(exc).detail}", file=sys.stderr)
+            return 1
+    record = record_json(done.record)
+    if done.outcome != "reopened":
+        attempt, status = record["attempt_count"], record["status"]
+        why = {
+            "not_finished": "only a completed or failed step is reopened",
+            "stale_attempt": f"you named attempt {parsed.attempt}; someone reopened or ran it"
+            " since",
+        }.get(done.outcome, "no attempt is left after it")
+        print(
+            f"cannot reopen {args.instance_key}/{args.step_slug}: it is {status} at attempt"
+            f" {attempt} ({done.outcome}: {why}); nothing was written",
+            file=sys.stderr,
+        )
+        return 1
+    print(dumps(record).decode())
+    print(
+        f"reopened {args.instance_key}/{args.step_slug}: pending at attempt"
+        f" {record['attempt_count']}, logged as repaired by {by!r}",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="steprecord", description=__doc__)
     parser.add_argument("--version", action="version", version=f"steprecord {__version__}")
@@ -568,6 +636,25 @@ def main(argv: list[str] | None = None) -> int:
         "allow-anonymous",
         help="with no token left, let direct loopback requests be anonymous again",
     )
+    p_repair = sub.add_parser(
+        "repair",
+        help="repair a process by hand, through the judge, kept in the repair log",
+    )
+    repair_actions = p_repair.add_subparsers(dest="action", required=True)
+    p_reopen = repair_actions.add_parser(
+        "reopen",
+        help="make a completed or failed step pending at its next attempt",
+        description="Make a completed or failed step pending at its next attempt, so that it"
+        " runs again; the repair log keeps the reason, the attempt and who (cli:OS user).",
+    )
+    p_reopen.add_argument("instance_key")
+    p_reopen.add_argument("step_slug")
+    p_reopen.add_argument("--reason", required=True, help="why, 1 to 500 characters")
+    p_reopen.add_argument(
+        "--attempt",
+        type=int,
+        help="the attempt you saw finished: refused if another one is current",
+    )
     args = parser.parse_args(argv)
     try:
         return run(args, p_prune)
@@ -586,6 +673,8 @@ def run(args: argparse.Namespace, p_prune: argparse.ArgumentParser) -> int:
     with database(Settings()) as url:
         if args.command == "token":  # never migrates: see `schema_refusal`
             return asyncio.run(_token(args, url))
+        if args.command == "repair":  # nor does a repair
+            return asyncio.run(_repair(args, url))
         migrate(url)
         print(f"database {redact(url)} is at the migration head", file=sys.stderr)
     return 0

@@ -18,6 +18,7 @@ LISTINGS = {
     "u": "the steps across instances",
     "a": "a step's attempts",
     "l": "running_longer_than",
+    "r": "an instance's repairs",
 }
 NOT_A_CURSOR = "not a valid cursor: pass the next_cursor of the previous page unchanged"
 
@@ -115,3 +116,15 @@ def long_running_position(cursor: str) -> list[Any]:
     """`(started_at, id)` of the last long-running record seen."""
     started_at, last_id = _decode(cursor, "l", 2)
     return [_timestamp(started_at, nullable=False), _int(last_id)]
+
+
+def repairs_cursor(last: dict[str, Any]) -> str:
+    return _encode("r", last["at"], last["id"])
+
+
+def repairs_position(cursor: str) -> tuple[datetime, int]:
+    """`(at, id)` of the last repair seen: the next page holds older ones."""
+    at, last_id = _decode(cursor, "r", 2)
+    moment = _timestamp(at, nullable=False)
+    assert moment is not None
+    return moment, _int(last_id)

@@ -19,8 +19,9 @@ see docs/operations.md):
    makes a first token require tokens writes `access_policy` from `api_token`, which Citus
    refuses between reference tables (a trigger on a reference table's copy on a worker may
    not run a distributed statement).
-3. `process_instance` by `id`, then `workflow_step_record` and `workflow_step_attempt` by
-   `instance_id`, co-located with it: one instance's rows live together on one worker.
+3. `process_instance` by `id`, then `workflow_step_record`, `workflow_step_attempt` and
+   `workflow_step_repair` (the repair log) by `instance_id`, co-located with it: one
+   instance's rows live together on one worker.
    `uq_process_instance_instance_key` is dropped first (Citus keeps only unique keys that
    include the distribution column); the primary key `id` and the CHECK
    `ck_process_instance_id_derived` (id = steprecord_instance_id(instance_key)) hold it.
@@ -29,8 +30,9 @@ see docs/operations.md):
    to the worker that holds the instance; so do `steprecord_apply_events_on_shard` (the
    general statement for the events of one shard group, run on that group's shards: a
    batch's group, or the one-event judge's new record or late report, on the worker that
-   call was sent to) and `steprecord_stream_changes` (a stream's read, whose snapshot and
-   transaction ids must be that worker's).
+   call was sent to), `steprecord_reopen` (an operator's repair) and
+   `steprecord_stream_changes` (a stream's read, whose snapshot and transaction ids must be
+   that worker's).
 5. The judge's functions plan each statement with its values (`force_custom_plan`): Citus
    routes a statement that joins distributed tables to one shard only when it sees the
    distribution column's value, which a generic plan hides behind a parameter.
@@ -44,6 +46,7 @@ DISTRIBUTED_TABLES = (
     ("process_instance", "id"),
     ("workflow_step_record", "instance_id"),
     ("workflow_step_attempt", "instance_id"),
+    ("workflow_step_repair", "instance_id"),
 )
 DISTRIBUTED_FUNCTION = (
     "steprecord_apply_event(bigint, integer, text, text, text, bigint, timestamptz,"
@@ -56,8 +59,11 @@ SHARD_FUNCTION = (
 )
 # A stream's read, delegated the same way: its snapshot and transaction ids are the worker's.
 STREAM_FUNCTION = "steprecord_stream_changes(bigint, text, xid8, bigint, integer)"
+# An operator's reopen (app/sql/reopen.sql), delegated the same way: one event on one worker.
+REOPEN_FUNCTION = "steprecord_reopen(bigint, text, text, integer, text, text)"
 CUSTOM_PLANS = (
     DISTRIBUTED_FUNCTION,
+    REOPEN_FUNCTION,
     "steprecord_apply_events",
     "steprecord_heartbeat",
     "steprecord_list_page",
@@ -129,7 +135,7 @@ def distribute(connection: Connection) -> bool:
             (table, column, colocate),
         )
         sql(f"ALTER TABLE {table} ENABLE TRIGGER USER")
-    for function in (DISTRIBUTED_FUNCTION, SHARD_FUNCTION, STREAM_FUNCTION):
+    for function in (DISTRIBUTED_FUNCTION, SHARD_FUNCTION, REOPEN_FUNCTION, STREAM_FUNCTION):
         if sql(FUNCTION_DISTRIBUTED, (function,)).first() is None:
             sql(
                 "SELECT create_distributed_function(%s, 'p_instance_id',"

@@ -49,6 +49,7 @@ TITLES = {
     "conflict": "Event conflicts with the record",
     "stale_attempt": "Attempt superseded by a newer one",
     "not_running": "Attempt not running",
+    "not_finished": "Step not finished",
     "ordinal_taken": "Ordinal already taken",
     "instance_key_collision": "Instance key collides with another key",
     "instance_active": "Instance has running steps",

@@ -304,6 +304,43 @@ class WorkflowStepAttempt(SQLModel, table=True):
     )
 
 
+class WorkflowStepRepair(SQLModel, table=True):
+    """The repair log: one row per operator's repair of a record (today: `reopen`), written
+    only by steprecord_reopen (app/sql/reopen.sql), never changed, and deleted only with its
+    instance (app/sql/repair_log.sql guards it)."""
+
+    __tablename__ = "workflow_step_repair"
+    __table_args__ = (
+        PrimaryKeyConstraint("instance_id", "id"),
+        ForeignKeyConstraint(["instance_id"], ["process_instance.id"], ondelete="CASCADE"),
+        ForeignKeyConstraint(
+            ["instance_id", "record_id"],
+            ["workflow_step_record.instance_id", "workflow_step_record.id"],
+            ondelete="CASCADE",
+        ),
+        # The log's pages, newest first: the index scanned backwards.
+        Index(None, "instance_id", "at", "id"),
+        CheckConstraint("action = 'reopen'", name="action_known"),
+        CheckConstraint("attempt >= 1", name="attempt_positive"),
+        CheckConstraint("char_length(reason) BETWEEN 1 AND 500", name="reason_length"),
+        CheckConstraint("char_length(repaired_by) BETWEEN 1 AND 200", name="repaired_by_length"),
+    )
+
+    instance_id: int = Field(sa_column=Column(BigInteger, nullable=False))
+    id: int | None = Field(
+        default=None, sa_column=Column(BigInteger, Identity(always=True), nullable=False)
+    )
+    record_id: int = Field(sa_column=Column(BigInteger, nullable=False))
+    step_slug: str = Field(sa_column=Column(Text, nullable=False))
+    action: str = Field(sa_column=Column(Text, nullable=False))
+    # The attempt that was reopened: the record went on at attempt + 1.
+    attempt: int = Field(sa_column=Column(Integer, nullable=False))
+    reason: str = Field(sa_column=Column(Text, nullable=False))
+    # Who asked: the token's name, `anonymous`, or the CLI's writer name.
+    repaired_by: str = Field(sa_column=Column(Text, nullable=False))
+    at: datetime = Field(sa_column=_now())
+
+
 class ApiToken(SQLModel, table=True):
     """An access token; only its SHA-256 is stored, the token itself is shown once."""
 
@@ -312,7 +349,7 @@ class ApiToken(SQLModel, table=True):
         UniqueConstraint("name"),
         UniqueConstraint("token_sha256"),
         CheckConstraint(f"name ~ '{NAME_PATTERN}'", name="name_format"),
-        CheckConstraint("scope IN ('read', 'write')", name="scope_known"),
+        CheckConstraint("scope IN ('read', 'write', 'admin')", name="scope_known"),
         CheckConstraint("octet_length(token_sha256) = 32", name="token_sha256_size"),
         CheckConstraint(f"key_prefix ~ '{PREFIX_PATTERN}'", name="key_prefix_format"),
         CheckConstraint(f"key_prefix ~ '{PREFIX_DELIMITED_PATTERN}'", name="key_prefix_separated"),

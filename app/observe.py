@@ -56,6 +56,11 @@ PRUNED = Counter(
     "steprecord_pruned_instances",
     "Instances deleted by the background pruner (STEPRECORD_RETENTION).",
 )
+REPAIRS = Counter(
+    "steprecord_repairs",
+    "Operators' repairs written to the repair log, by action (reopen).",
+    ["action"],
+)
 REPLICA_LAG = Gauge(
     "steprecord_read_replica_lag_seconds",
     "How far the read replica is behind the primary, as last measured (+Inf: unreachable).",
@@ -85,6 +90,11 @@ _access = logging.getLogger("steprecord.request")
 def count_event(kind: str, outcome: str, amount: int = 1) -> None:
     """Count events; anything that is not one of the outcomes above was refused."""
     _child(EVENTS, kind, outcome if outcome in OUTCOMES else "refused").inc(amount)
+
+
+def count_repair(action: str) -> None:
+    """Count a repair written to the repair log."""
+    _child(REPAIRS, action).inc()
 
 
 def _child(metric: M, *labels: str) -> M:

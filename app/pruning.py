@@ -130,8 +130,8 @@ class Archive:
 
 
 def archive_line(instance: dict[str, Any]) -> bytes:
-    """An instance as one JSON line: its key, its creation, and its records as the API renders
-    them, each with its attempts."""
+    """An instance as one JSON line: its key, its creation, its records as the API renders
+    them, each with its attempts, and its repair log (newest first, as the API renders it)."""
     records = [
         {**record_json(r), "attempts": [attempt_json(a) for a in r["attempts"]]}
         for r in instance["records"]
@@ -140,6 +140,7 @@ def archive_line(instance: dict[str, Any]) -> bytes:
         "instance_key": instance["instance_key"],
         "created_at": instance["created_at"],
         "records": records,
+        "repairs": instance["repairs"],
     }
     return dumps(line) + b"\n"
 

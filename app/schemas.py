@@ -51,6 +51,22 @@ class AttemptPage(BaseModel):
     next_cursor: str | None
 
 
+class Repair(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    step_slug: str
+    action: str = Field(description="What was done: `reopen`")
+    attempt: int = Field(description="The attempt that was reopened (the step went on at +1)")
+    reason: str
+    by: str = Field(description="Who: the token's name, `anonymous`, or the CLI's writer name")
+    at: str
+
+
+class RepairPage(BaseModel):
+    items: list[Repair]
+    next_cursor: str | None
+
+
 class StepCounts(BaseModel):
     pending: int
     running: int
@@ -148,6 +164,19 @@ def event_responses() -> dict[int | str, dict[str, Any]]:
         ),
         413: _problem("Output or body too large"),
         422: _problem("Invalid request"),
+        429: BUSY,
+        503: _problem("Database unavailable"),
+    }
+
+
+def reopen_responses() -> dict[int | str, dict[str, Any]]:
+    return {
+        200: {"model": Record, "description": "Reopened: the record, pending at its next attempt"},
+        400: _problem("Body is not JSON"),
+        403: _problem("forbidden (not an admin token) or outside_prefix"),
+        404: _problem("Instance or step not found"),
+        409: _problem("not_finished, stale_attempt (with current) or conflict"),
+        422: _problem("Invalid request (a reason is required)"),
         429: BUSY,
         503: _problem("Database unavailable"),
     }

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import cursors, domain, sessions, static, tenancy
 from app import timeline as timescale
-from app.data import dashboard, reads, running, stats
+from app.data import dashboard, reads, repairs, running, stats
 from app.data.dashboard import LANE_ATTEMPTS
 from app.db import AsyncConn
 from app.errors import Problem
@@ -485,6 +485,9 @@ async def step_page(request: Request, instance_key: str, step_slug: str) -> Resp
             attempts, total = await dashboard.step_attempts(
                 conn, instance_key, record["id"], limit=MAX_STEPS
             )
+            repaired = await repairs.list_repairs(
+                conn, instance_key, before=None, limit=MAX_STEPS, step_slug=step_slug
+            )
         except domain.InstanceNotFound:
             return not_found(request, f"No instance has the key {instance_key!r}.")
         except domain.StepNotFound:
@@ -496,6 +499,8 @@ async def step_page(request: Request, instance_key: str, step_slug: str) -> Resp
         record=record,
         attempts=[shown_attempt(a, api) for a in attempts],
         older=total - len(attempts),
+        repairs=repaired.items,
+        more_repairs=repaired.last is not None,
         api=api,
         trace_url=request.app.state.trace_url,
     )

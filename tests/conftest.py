@@ -173,7 +173,8 @@ def _clean_tables(request: pytest.FixtureRequest) -> None:
         conn.execute(
             # In the order the writers lock them (the sweeper takes the record, then the
             # history), so a sweep in flight cannot deadlock with the cleanup.
-            "TRUNCATE process_instance, workflow_step_record, workflow_step_attempt"
+            "TRUNCATE process_instance, workflow_step_record, workflow_step_attempt,"
+            " workflow_step_repair"
             " RESTART IDENTITY"
         )
 

@@ -5,9 +5,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 
 from app.cli import migrate
 from app.data.judge import APPLY_EVENT
+from app.data.repairs import REOPEN
 from tests.helpers import (
     CitusCluster,
     add_citus_nodes,
@@ -46,7 +48,7 @@ FROM pg_dist_partition ORDER BY 1
 """
 FUNCTION = """
 SELECT distribution_argument_index, colocationid FROM pg_dist_object
-WHERE objid = 'steprecord_apply_event'::regproc
+WHERE objid = %s::regproc
 """
 
 
@@ -70,17 +72,20 @@ def test_migrate_distributes_the_fact_tables_by_instance_and_the_judge_with_them
         migrate(url)  # again: already distributed, nothing to do
         with psycopg.connect(url) as conn:
             tables = conn.execute(TABLES).fetchall()
-            function = conn.execute(FUNCTION).fetchone()
+            function = conn.execute(FUNCTION, ("steprecord_apply_event",)).fetchone()
+            reopen = conn.execute(FUNCTION, ("steprecord_reopen",)).fetchone()
         by_name = {table: (method, column) for table, method, column, _ in tables}
         assert by_name == {  # the tokens and the access policy stay on the coordinator
             "process_instance": ("h", "id"),
             "workflow_step_attempt": ("h", "instance_id"),
             "workflow_step_record": ("h", "instance_id"),
+            "workflow_step_repair": ("h", "instance_id"),
         }
         colocation = {colocated for table, _, _, colocated in tables if by_name[table][0] == "h"}
         assert len(colocation) == 1
-        # The one-event judge is delegated by its first argument, the instance's id.
-        assert function == (0, colocation.pop())
+        # The one-event judge, and an operator's reopen, are delegated by their first
+        # argument, the instance's id.
+        assert function == reopen == (0, colocation.pop())
         # Every shard on every worker carries the CHECKs and the guard triggers (as many
         # instance shards as record shards: co-located).
         for worker in citus.workers:
@@ -160,8 +165,8 @@ def test_a_database_with_rows_that_gets_citus_is_distributed_by_the_next_migrate
         with psycopg.connect(url) as conn:
             assert conn.execute(SNAPSHOT).fetchall() == before
             assert (
-                len(conn.execute(TABLES).fetchall()) == 3
-            )  # the fact tables; the tokens stay on the coordinator
+                len(conn.execute(TABLES).fetchall()) == 4
+            )  # the fact tables and the repair log; the tokens stay on the coordinator
         on_workers = [
             rows_on_worker(on_node(worker.url, name), "workflow_step_record")
             for worker in citus.workers
@@ -203,6 +208,80 @@ def test_the_coordinator_delegates_the_one_event_judge_to_the_worker_holding_the
         assert "Custom Scan (Citus Adaptive)" in plan
         assert "Task Count: 1" in plan
         assert "Function Call: steprecord_apply_event(" in plan
+    finally:
+        drop_database(citus.url, name)
+
+
+def test_a_reopen_runs_on_the_worker_holding_the_instance_and_its_log_stays_there(
+    citus: CitusCluster,
+) -> None:
+    """The service's reopen statement (app/data/repairs.py) is delegated whole to the worker
+    holding the instance; the record is reopened there and its repair log written beside it,
+    refused to hand-written SQL through the coordinator, and deleted with the instance. The
+    rows are written at one node first (the judge's new-record path on Citus is not this
+    test's subject), then the database gets Citus."""
+    name = f"steprecord_citus_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(citus.url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = on_node(citus.url, name)
+    try:
+        migrate(url)
+        with psycopg.connect(url) as conn:
+            conn.execute(WRITE_ROWS)
+            conn.execute(COMPLETE_DONE)
+        for worker in citus.workers:
+            with psycopg.connect(worker.url, autocommit=True) as conn:
+                conn.execute(f'CREATE DATABASE "{name}"')
+            with psycopg.connect(on_node(worker.url, name), autocommit=True) as conn:
+                conn.execute("CREATE EXTENSION citus")
+        add_citus_nodes(url, [worker.url for worker in citus.workers])
+        migrate(url)
+        ask = {"instance_key": "run-7", "step_slug": "done", "attempt": 1, "reason": "why"}
+        with psycopg.connect(url, autocommit=True) as conn:
+            plan = "\n".join(
+                str(row[0])
+                for row in conn.execute(f"EXPLAIN (VERBOSE) {REOPEN}", {**ask, "by": "ops"})
+            )
+            assert "Task Count: 1" in plan
+            assert "Function Call: steprecord_reopen(" in plan
+            # The service's statement as it sends it: delegated whole to the worker.
+            with conn.cursor(row_factory=dict_row) as cur:
+                row = cur.execute(REOPEN, {**ask, "by": "ops"}).fetchone()
+                assert row is not None
+                assert (row["outcome"], row["status"], row["attempt_count"]) == (
+                    "reopened",
+                    "pending",
+                    2,
+                )
+                again = cur.execute(REOPEN, {**ask, "by": "ops"}).fetchone()
+                assert again is not None
+                assert again["outcome"] == "stale_attempt"
+            logged = conn.execute(
+                "SELECT step_slug, attempt, reason, repaired_by FROM workflow_step_repair"
+                " WHERE instance_id = steprecord_instance_id('run-7')"
+            ).fetchall()
+            assert logged == [("done", 1, "why", "ops")]
+            for statement in (
+                "UPDATE workflow_step_repair SET reason = 'rewritten'"
+                " WHERE instance_id = steprecord_instance_id('run-7')",
+                "DELETE FROM workflow_step_repair"
+                " WHERE instance_id = steprecord_instance_id('run-7')",
+            ):
+                with pytest.raises(psycopg.errors.CheckViolation) as caught:
+                    conn.execute(statement)
+                assert "the repair log is append-only" in str(caught.value)
+        on_workers = [
+            rows_on_worker(on_node(worker.url, name), "workflow_step_repair")
+            for worker in citus.workers
+        ]
+        assert sorted(on_workers) == [0, 1]
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(
+                "DELETE FROM workflow_step_record"
+                " WHERE instance_id = steprecord_instance_id('run-7')"
+            )
+            conn.execute("DELETE FROM process_instance WHERE id = steprecord_instance_id('run-7')")
+            assert conn.execute("SELECT count(*) FROM workflow_step_repair").fetchone() == (0,)
     finally:
         drop_database(citus.url, name)
 

@@ -58,7 +58,13 @@ def as_archived(client: httpx.Client, key: str) -> dict[str, Any]:
     for record in records:
         path = f"/v1/instances/{key}/steps/{record['step_slug']}/attempts"
         record["attempts"] = client.get(path).json()["items"]
-    return {"instance_key": key, "created_at": instance["created_at"], "records": records}
+    repairs = client.get(f"/v1/instances/{key}/repairs", params={"limit": 1000}).json()["items"]
+    return {
+        "instance_key": key,
+        "created_at": instance["created_at"],
+        "records": records,
+        "repairs": repairs,
+    }
 
 
 @pytest.fixture

@@ -84,7 +84,10 @@ def world(tenants: Tenants) -> Iterator[Tenants]:
             assert start.status_code == 201, start.text
     yield tenants
     with psycopg.connect(tenants.database_url, autocommit=True) as conn:
-        conn.execute("TRUNCATE process_instance, workflow_step_record, workflow_step_attempt")
+        conn.execute(
+            "TRUNCATE process_instance, workflow_step_record, workflow_step_attempt,"
+            " workflow_step_repair"
+        )
 
 
 READS = [

@@ -1,8 +1,8 @@
 """Deleting instances: one on request (`DELETE /v1/instances/{key}`), or every instance last
 written before a cutoff (`steprecord prune`, `STEPRECORD_RETENTION`).
 
-An instance goes with its records, in the same statement, and their history follows them by
-`ON DELETE CASCADE`.
+An instance goes with its records, in the same statement, and their history and its repair
+log follow them by `ON DELETE CASCADE`.
 """
 
 from dataclasses import dataclass
@@ -120,6 +120,12 @@ SELECT a.record_id, {ATTEMPT} FROM workflow_step_attempt a
 WHERE a.instance_id = ANY(%(ids)s)
 ORDER BY a.record_id, a.attempt
 """
+ARCHIVED_REPAIRS = """
+SELECT x.instance_id, x.step_slug, x.action, x.attempt, x.reason, x.repaired_by AS by, x.at
+FROM workflow_step_repair x
+WHERE x.instance_id = ANY(%(ids)s)
+ORDER BY x.instance_id, x.at DESC, x.id DESC
+"""
 COUNTS = """
 SELECT (SELECT count(*) FROM workflow_step_record WHERE instance_id = ANY(%(ids)s)) AS records,
        (SELECT count(*) FROM workflow_step_attempt WHERE instance_id = ANY(%(ids)s)) AS attempts
@@ -197,7 +203,7 @@ async def lock_due(
     assert counts is not None
     instances: list[dict[str, Any]] = []
     if with_contents and due_ids:
-        by_id = {row["id"]: {**row, "records": []} for row in due}
+        by_id = {row["id"]: {**row, "records": [], "repairs": []} for row in due}
         records: dict[int, dict[str, Any]] = {}
         cur = await conn.execute(ARCHIVED_RECORDS, {"ids": due_ids})
         for record in await cur.fetchall():
@@ -209,6 +215,9 @@ async def lock_due(
         cur = await conn.execute(ARCHIVED_ATTEMPTS, {"ids": due_ids})
         for attempt in await cur.fetchall():
             records[attempt.pop("record_id")]["attempts"].append(attempt)
+        cur = await conn.execute(ARCHIVED_REPAIRS, {"ids": due_ids})
+        for repair in await cur.fetchall():
+            by_id[repair.pop("instance_id")]["repairs"].append(repair)
         instances = list(by_id.values())
     return Due(instances, due_ids, int(counts["records"]), int(counts["attempts"]))
 

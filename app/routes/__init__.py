@@ -5,11 +5,12 @@
 
 from starlette.routing import BaseRoute
 
-from app.routes import events, health, instances, reads, stats
+from app.routes import events, health, instances, reads, repairs, stats
 
 ROUTES: list[BaseRoute] = [
     *events.router.routes,
     *reads.router.routes,
+    *repairs.router.routes,
     *stats.router.routes,
     *instances.router.routes,
     *health.router.routes,

@@ -1,5 +1,6 @@
 -- The record's transition guard: what no UPDATE of workflow_step_record may do, whoever
--- sends it (the judge, the sweeper, a racing retry, a hand-written repair).
+-- sends it (the judge, the sweeper, a racing retry, a hand-written repair). The one repair
+-- it lets through is the operator's reopen, and only from steprecord_reopen (reopen.sql).
 --
 -- The named CHECK constraints (migration 0001) hold each row's own truth: the closed status
 -- set, the content each status allows, the timing, the sizes. This trigger holds what only
@@ -26,6 +27,16 @@ BEGIN
                       OLD.attempt_count, old_rank, NEW.attempt_count, new_rank);
     -- A finished attempt is a fact: within the same attempt its status, times, output and
     -- error never change. Only a higher attempt reopens the record.
+    -- Back to pending at a higher attempt: only an operator's reopen of a finished record
+    -- (steprecord_reopen, reopen.sql, which sets steprecord.writer = 'repair' for its call
+    -- and logs the repair). Every event starts the next attempt running or finished.
+    ELSIF NEW.status = 'pending' AND NEW.attempt_count > OLD.attempt_count
+          AND NOT (OLD.status IN ('completed', 'failed')
+                   AND NEW.attempt_count = OLD.attempt_count + 1
+                   AND current_setting('steprecord.writer', true) IS NOT DISTINCT FROM 'repair')
+          THEN
+        why := 'only steprecord_reopen takes a record back to pending, from finished, at'
+               ' the next attempt';
     ELSIF OLD.status IN ('completed', 'failed') AND NEW.attempt_count = OLD.attempt_count
           AND (NEW.status, NEW.started_at, NEW.completed_at, NEW.output,
                NEW.external_output_url, NEW.error_code, NEW.error_message)

@@ -305,8 +305,8 @@ def reset(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         quiesce(conn)
         conn.execute(
-            "TRUNCATE process_instance, workflow_step_record, workflow_step_attempt"
-            " RESTART IDENTITY"
+            "TRUNCATE process_instance, workflow_step_record, workflow_step_attempt,"
+            " workflow_step_repair RESTART IDENTITY"
         )
         with suppress(psycopg.errors.InsufficientPrivilege):
             conn.execute("CHECKPOINT")

@@ -105,6 +105,16 @@ class AsyncRecorder:
             _core.retry_backoff(self._pause, retry_backoff, retry_backoff_max, retry_jitter),
         )
 
+    # -- repairs
+
+    async def reopen(
+        self, instance_key: str, step_slug: str, *, reason: str, attempt: int | None = None
+    ) -> Record:
+        """``await rec.reopen(key, slug, reason=...)`` — see ``Recorder.reopen``."""
+        op = _core.reopen_request(instance_key, step_slug, reason, attempt)
+        record: Record = _core.expect_json(await self._send(op))
+        return record
+
     # -- reads
 
     async def record(self, instance_key: str, step_slug: str) -> Record | None:

@@ -413,6 +413,16 @@ def list_params(
     return params
 
 
+def reopen_request(key: str, slug: str, reason: str, attempt: int | None) -> Http:
+    """``POST .../reopen`` (admin scope): a finished step made pending at its next attempt."""
+    if not isinstance(reason, str) or not 1 <= len(reason) <= 500 or not reason.strip():
+        raise ValueError("reason must say why, in 1 to 500 characters")
+    body: dict[str, Any] = {"reason": reason}
+    if attempt is not None:
+        body["attempt"] = attempt
+    return Http("POST", f"{step_path(key, slug)}/reopen", body)
+
+
 def steps_path(key: str) -> str:
     return f"/v1/instances/{check_name(key, 'instance key')}/steps"
 

@@ -141,6 +141,19 @@ class Recorder:
             _core.retry_backoff(self._pause, retry_backoff, retry_backoff_max, retry_jitter),
         )
 
+    # -- repairs
+
+    def reopen(
+        self, instance_key: str, step_slug: str, *, reason: str, attempt: int | None = None
+    ) -> Record:
+        """Reopen a completed or failed step (an admin token): it becomes ``pending`` at its
+        next attempt, so the next ``@rec.step`` call runs it again; the service's repair log
+        keeps ``reason`` and who. ``attempt``: the attempt you saw finished (a
+        :class:`StaleAttempt` when another is current). Returns the reopened record."""
+        op = _core.reopen_request(instance_key, step_slug, reason, attempt)
+        record: Record = _core.expect_json(self._send(op))
+        return record
+
     # -- reads
 
     def record(self, instance_key: str, step_slug: str) -> Record | None:

@@ -1,0 +1,58 @@
+-- Revision 0024_repairs, downgrade: the same files as of revision 0023.
+-- Made by `python -m app.sql freeze 0024_repairs`. Never edit it: the source is app/sql/;
+-- change it there and freeze a new revision.
+
+-- Functions this revision created or declared otherwise:
+DROP FUNCTION steprecord_reopen(p_instance_id bigint, p_instance_key text, p_step_slug text, p_attempt int, p_reason text, p_by text);
+DROP FUNCTION workflow_step_repair_guard();
+
+-- ===== app/sql/record_guard.sql as of revision 0023 =====
+-- The record's transition guard: what no UPDATE of workflow_step_record may do, whoever
+-- sends it (the judge, the sweeper, a racing retry, a hand-written repair).
+--
+-- The named CHECK constraints (migration 0001) hold each row's own truth: the closed status
+-- set, the content each status allows, the timing, the sizes. This trigger holds what only
+-- a comparison of the old and the new row can: the order of events. It raises
+-- check_violation naming tr_workflow_step_record_transition, so a refused update reads like
+-- a refused CHECK (the service answers 422 constraint_violation with the name).
+CREATE OR REPLACE FUNCTION workflow_step_record_guard_transition() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    -- A record's rank within its attempt (judge_rules.sql): pending 0, running 1, finished 2.
+    old_rank int := judge_status_rank(OLD.status);
+    new_rank int := judge_status_rank(NEW.status);
+    why text;
+BEGIN
+    -- Identities: the record stays the same step of the same instance, at its ordinal.
+    IF (NEW.id, NEW.instance_id, NEW.step_slug, NEW.ordinal, NEW.created_at)
+       IS DISTINCT FROM
+       (OLD.id, OLD.instance_id, OLD.step_slug, OLD.ordinal, OLD.created_at) THEN
+        why := 'id, instance_id, step_slug, ordinal and created_at never change';
+    -- Progress: (attempt_count, rank) never decreases, so a late start cannot reopen a
+    -- finished attempt and a racing retry cannot go back to an older attempt.
+    ELSIF (NEW.attempt_count, new_rank) < (OLD.attempt_count, old_rank) THEN
+        why := format('(attempt_count, rank) may not go back from (%s, %s) to (%s, %s)',
+                      OLD.attempt_count, old_rank, NEW.attempt_count, new_rank);
+    -- A finished attempt is a fact: within the same attempt its status, times, output and
+    -- error never change. Only a higher attempt reopens the record.
+    ELSIF OLD.status IN ('completed', 'failed') AND NEW.attempt_count = OLD.attempt_count
+          AND (NEW.status, NEW.started_at, NEW.completed_at, NEW.output,
+               NEW.external_output_url, NEW.error_code, NEW.error_message)
+              IS DISTINCT FROM
+              (OLD.status, OLD.started_at, OLD.completed_at, OLD.output,
+               OLD.external_output_url, OLD.error_code, OLD.error_message) THEN
+        why := 'a finished attempt never changes; only a higher attempt reopens it';
+    END IF;
+    IF why IS NOT NULL THEN
+        RAISE EXCEPTION 'workflow_step_record %: %', OLD.id, why
+            USING ERRCODE = 'check_violation',
+                  CONSTRAINT = 'tr_workflow_step_record_transition',
+                  TABLE = 'workflow_step_record';
+    END IF;
+    RETURN NEW;
+END
+$fn$;
+
+CREATE OR REPLACE TRIGGER tr_workflow_step_record_transition
+BEFORE UPDATE ON workflow_step_record
+FOR EACH ROW EXECUTE FUNCTION workflow_step_record_guard_transition();
