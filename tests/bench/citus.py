@@ -22,7 +22,9 @@ seconds (so that other work on the machine skews all sides alike):
   the whole call to the worker holding the instance); on the coordinator, not delegated (the
   same call inside `BEGIN … END`: Citus delegates a call only outside a transaction block, so
   the function runs on the coordinator and routes each of its statements to the worker); and
-  on a worker (every node can query: the worker delegates to itself or the other worker);
+  on a worker (every node can query: the worker delegates to itself or the other worker; a
+  service cannot be pointed at a worker yet, since its migration and readiness check read
+  `alembic_version`, which stays on the coordinator);
 - single: `events.lua` (a `start` of a new step, then its `complete`);
 - batch: `batch.lua` (100 events a request).
 
@@ -205,8 +207,8 @@ def one_node(root: Path, bin_path: Path) -> Iterator[EmbeddedPostgres]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=6, help="seconds per round (6)")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--duration", type=float, default=10, help="seconds per round (10)")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated: {LOADS}")
     args = parser.parse_args()
     loads = args.loads.split(",")
