@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import resource
 import sys
 import time
@@ -91,6 +92,7 @@ class Side:
     nodes: dict[str, Path]  # node name -> its data directory
     service: str | None  # the service's base URL, when the load goes through one
     prepare: Callable[[], None] | None = None  # before each round, not measured
+    log: Path | None = None  # the service's log, for the cause of a refusal
     runs: list[Load] = field(default_factory=list)
     seconds: float = 0.0
     cpu: dict[str, float] = field(default_factory=dict)
@@ -176,7 +178,7 @@ def compare(title: str, sides: list[tuple[Side, Callable[[], Load]]], rounds: in
         )
         postgres = sum(s for name, s in side.cpu.items() if name in side.nodes) / operations * 1e6
         if result.errors:
-            share = f"REFUSED: {result.errors} not 2xx. {result.detail[:300]}"
+            share = f"REFUSED: {result.errors} not 2xx. {result.detail[:300]}{cause(side.log)}"
         elif side is sides[0][0] or base.errors:
             share = ""
         else:
@@ -187,6 +189,14 @@ def compare(title: str, sides: list[tuple[Side, Callable[[], Load]]], rounds: in
         )
         lines.append(f"  {'':26s} CPU us each: {cpu}; PostgreSQL {postgres:,.0f}")
     return lines
+
+
+def cause(log: Path | None) -> str:
+    """The last database error in the service's log (a 500's traceback ends with it)."""
+    if log is None or not log.exists():
+        return ""
+    errors = re.findall(r"^psycopg\.errors\.\w+: .*$", log.read_text(errors="replace"), re.M)
+    return f" Last database error in the service's log: {errors[-1]}" if errors else ""
 
 
 def pgbench_script(tmp: Path, name: str, body: str) -> Path:
@@ -248,8 +258,8 @@ def main() -> int:
             return run.pgbench(url, script, CONNECTIONS, args.duration, defines, 1, "prepared")
 
         for name in loads:
-            one = Side("one node", one_nodes, one_base)
-            distributed = Side("cluster", cluster_nodes, cluster_base)
+            one = Side("one node", one_nodes, one_base, log=root / "one-node.log")
+            distributed = Side("cluster", cluster_nodes, cluster_base, log=root / "cluster.log")
             sides: list[tuple[Side, Callable[[], Load]]]
             if name in ("replays", "reads"):
                 script = f"{name}.lua"
