@@ -1,7 +1,8 @@
 """The plans of the hot reads on a Citus cluster: one instance's record, a page of an
 instance's records, an instance with its counts, a step's attempts, a page of `/v1/steps`, a
 page of `/v1/instances`, the dashboard's instance steps, its Stuck and Failing lists, and the
-step statistics.
+step statistics; and the judge's one-event call, delegated to the worker holding the instance
+and, inside a transaction block, run on the coordinator.
 
 Run from the repository root: `.venv-test/bin/python -m tests.bench.plans [--instances N]`.
 It starts a Citus cluster of its own (a coordinator and two workers, as the tests do; Citus
@@ -165,18 +166,45 @@ def reads_to_explain(conn: psycopg.Connection[Any]) -> list[tuple[str, str, dict
     ]
 
 
+# The judge's one-event call as the service makes it (app/data/judge.py, APPLY_EVENT): a
+# `start` of attempt 1 of an existing record, a replay. Outside a transaction block the
+# coordinator sends the whole call to the worker holding the instance; inside one, Citus does
+# not delegate: the function runs on the coordinator, which routes each of its statements.
+JUDGE_CALL = (
+    "SELECT * FROM steprecord_apply_event(steprecord_instance_id(%(key)s::text), 0, %(key)s,"
+    " 'step-3', 'start', 1, '2026-01-01T00:00:00Z', NULL, NULL, NULL, NULL, NULL, NULL, NULL)"
+)
+
+
+def explain_calls(conn: psycopg.Connection[Any]) -> None:
+    """The judge's call: its plan and what it sends, delegated and in a transaction block."""
+    params = {"key": "r7"}
+    print("## The judge's one-event call (POST .../start), delegated\n")
+    print(explain(conn, JUDGE_CALL, params))
+    print(f"\nsent to the workers: {shard_statements(conn, JUDGE_CALL, params, True)}\n")
+    print("## The same call inside a transaction block (not delegated)\n")
+    with conn.transaction():
+        print(explain(conn, JUDGE_CALL, params))
+        print(f"\nsent to the workers: {shard_statements(conn, JUDGE_CALL, params, True)}\n")
+
+
 def explain(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any]) -> str:
     rows = conn.execute("EXPLAIN (COSTS OFF) " + statement, params).fetchall()
     return "\n".join(row[0] for row in rows)
 
 
-def shard_statements(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any]) -> str:
+def shard_statements(
+    conn: psycopg.Connection[Any], statement: str, params: dict[str, Any], show: bool = False
+) -> str:
     """The statements the coordinator sends to the workers for one run of `statement` (a
-    function's too, which EXPLAIN does not show), counted per worker."""
+    function's too, which EXPLAIN does not show), counted per worker; with `show`, each
+    statement too, on a line of its own (its first 200 characters)."""
     sent: list[str] = []
+    texts: list[str] = []
 
     def note(notice: psycopg.errors.Diagnostic) -> None:
         sent.append(notice.message_detail or "")
+        texts.append(" ".join((notice.message_primary or "").split())[:200])
 
     conn.add_notice_handler(note)
     conn.execute("SET citus.log_remote_commands = on")
@@ -191,7 +219,8 @@ def shard_statements(conn: psycopg.Connection[Any], statement: str, params: dict
     for detail in filter(None, sent):
         worker = detail.split(" connectionId")[0]
         workers[worker] = workers.get(worker, 0) + 1
-    return ", ".join(f"{count} {worker}" for worker, count in sorted(workers.items()))
+    counts = ", ".join(f"{count} {worker}" for worker, count in sorted(workers.items()))
+    return "\n".join([counts, *texts]) if show else counts
 
 
 def main() -> None:
@@ -215,6 +244,7 @@ def main() -> None:
                 except psycopg.Error as exc:
                     print(f"REFUSED: {exc}".strip())
                 print()
+            explain_calls(conn)
         if args.keep:
             print(f"cluster at {url}; Enter stops it", flush=True)
             sys.stdin.readline()
