@@ -67,6 +67,7 @@ class Grant:
     scope: str
     digest: bytes
     key_prefix: str | None  # only instances whose key starts with it exist for this token
+    name: str  # the token's name: the writer the records it writes name (updated_by)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +82,13 @@ class Admission:
         """Whose request it is: its token's id, None for anonymous access."""
         return None if self.grant is None else self.grant.token_id
 
+    @property
+    def writer(self) -> str:
+        """Who writes what this request writes: its token's name, `anonymous` without one."""
+        return ANONYMOUS if self.grant is None else self.grant.name
 
+
+ANONYMOUS = "anonymous"  # the writer of a request let in without a token
 ADMISSION = "admission"  # the key of the request's `Admission` in its scope's state
 
 
@@ -132,7 +139,7 @@ class Tokens:
             anonymous_allowed = await tokens.anonymous_allowed(conn)
         grants = {
             bytes(r["token_sha256"]): Grant(
-                r["id"], r["scope"], bytes(r["token_sha256"]), r["key_prefix"]
+                r["id"], r["scope"], bytes(r["token_sha256"]), r["key_prefix"], r["name"]
             )
             for r in rows
         }

@@ -42,6 +42,9 @@ FIELDS = (
     Field("error_message", "text", str | None, summary=False),
     Field("created_at", "timestamptz", str),
     Field("updated_at", "timestamptz", str),
+    # Who last wrote it: a token's name, `anonymous` or `sweeper`; null when it was last
+    # written before steprecord kept writers.
+    Field("updated_by", "text", str | None),
 )
 
 # The JSON keys of a record, in the API's order.

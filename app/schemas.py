@@ -44,6 +44,11 @@ class Attempt(BaseModel):
     )
     created_at: str
     updated_at: str
+    reported_by: str | None = Field(
+        description="Who last wrote the entry: the name of the token whose request did,"
+        " `anonymous` without tokens, `sweeper` for a lease the sweeper closed; null when it"
+        " was last written before steprecord kept writers"
+    )
 
 
 class AttemptPage(BaseModel):

@@ -77,7 +77,7 @@ async def anonymous_allowed(conn: AsyncConn) -> bool:
 
 async def active_tokens(conn: AsyncConn) -> list[dict[str, Any]]:
     try:
-        cur = await conn.execute("SELECT id, scope, token_sha256, key_prefix FROM api_token")
+        cur = await conn.execute("SELECT id, name, scope, token_sha256, key_prefix FROM api_token")
     except psycopg.errors.UndefinedTable as exc:
         raise SchemaMissing(str(exc)) from exc
     return await cur.fetchall()

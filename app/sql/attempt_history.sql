@@ -12,17 +12,19 @@
 -- record has no attempt yet). The upsert is shared with _update below: an attempt row
 -- exists from the moment its attempt starts and is brought up to date by every write of
 -- its record; the WHERE skips writes that change nothing the history shows. A running
--- attempt mirrors the record's lease; a finished one keeps the last lease it held.
+-- attempt mirrors the record's lease; a finished one keeps the last lease it held. An entry
+-- written names its record's writer (reported_by = the record's updated_by): whoever last
+-- wrote the record last wrote the entry.
 CREATE OR REPLACE FUNCTION workflow_step_record_history_insert() RETURNS trigger
 LANGUAGE plpgsql AS $fn$
 BEGIN
     INSERT INTO workflow_step_attempt AS a (
         instance_id, record_id, attempt, status, started_at, completed_at, output,
         external_output_url, error_code, error_message, lease_expires_at,
-        created_at, updated_at)
+        created_at, updated_at, reported_by)
     SELECT n.instance_id, n.id, n.attempt_count, n.status, n.started_at,
            n.completed_at, n.output, n.external_output_url, n.error_code,
-           n.error_message, n.lease_expires_at, n.updated_at, n.updated_at
+           n.error_message, n.lease_expires_at, n.updated_at, n.updated_at, n.updated_by
     FROM new_rows n
     WHERE n.status <> 'pending'
     ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_instance_id_record_id_attempt
@@ -36,7 +38,8 @@ BEGIN
         error_message = EXCLUDED.error_message,
         lease_expires_at = CASE WHEN EXCLUDED.status = 'running'
                                 THEN EXCLUDED.lease_expires_at ELSE a.lease_expires_at END,
-        updated_at = EXCLUDED.updated_at
+        updated_at = EXCLUDED.updated_at,
+        reported_by = EXCLUDED.reported_by
     WHERE (a.status, a.started_at, a.completed_at, a.output, a.external_output_url,
            a.error_code, a.error_message, a.lease_expires_at)
           IS DISTINCT FROM
@@ -51,14 +54,16 @@ $fn$;
 -- After records are updated: first, a running attempt overtaken by a higher attempt
 -- becomes `superseded` (it started and never reported an end; completed_at = when the next
 -- attempt took over, never before its own start). Then the record's current attempt is
--- inserted or brought up to date, as after an insert.
+-- inserted or brought up to date, as after an insert. The superseded entry names the writer
+-- of the record's update that took it over, its last writer.
 CREATE OR REPLACE FUNCTION workflow_step_record_history_update() RETURNS trigger
 LANGUAGE plpgsql AS $fn$
 BEGIN
     UPDATE workflow_step_attempt a SET
         status = 'superseded',
         completed_at = GREATEST(a.started_at, COALESCE(n.started_at, n.updated_at)),
-        updated_at = n.updated_at
+        updated_at = n.updated_at,
+        reported_by = n.updated_by
     FROM old_rows o JOIN new_rows n ON n.id = o.id
     WHERE o.status = 'running' AND n.attempt_count > o.attempt_count
       AND a.instance_id = o.instance_id AND a.record_id = o.id
@@ -67,10 +72,10 @@ BEGIN
     INSERT INTO workflow_step_attempt AS a (
         instance_id, record_id, attempt, status, started_at, completed_at, output,
         external_output_url, error_code, error_message, lease_expires_at,
-        created_at, updated_at)
+        created_at, updated_at, reported_by)
     SELECT n.instance_id, n.id, n.attempt_count, n.status, n.started_at,
            n.completed_at, n.output, n.external_output_url, n.error_code,
-           n.error_message, n.lease_expires_at, n.updated_at, n.updated_at
+           n.error_message, n.lease_expires_at, n.updated_at, n.updated_at, n.updated_by
     FROM new_rows n
     WHERE n.status <> 'pending'
     ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_instance_id_record_id_attempt
@@ -84,7 +89,8 @@ BEGIN
         error_message = EXCLUDED.error_message,
         lease_expires_at = CASE WHEN EXCLUDED.status = 'running'
                                 THEN EXCLUDED.lease_expires_at ELSE a.lease_expires_at END,
-        updated_at = EXCLUDED.updated_at
+        updated_at = EXCLUDED.updated_at,
+        reported_by = EXCLUDED.reported_by
     WHERE (a.status, a.started_at, a.completed_at, a.output, a.external_output_url,
            a.error_code, a.error_message, a.lease_expires_at)
           IS DISTINCT FROM
