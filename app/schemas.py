@@ -15,7 +15,10 @@ else:
         "Record",
         __config__=ConfigDict(extra="forbid"),
         **{
-            field.key: (field.python, ... if field.summary else None)
+            field.key: (
+                field.python,
+                Field(... if field.summary else None, description=field.description),
+            )
             for field in record_shape.FIELDS
         },
     )
