@@ -475,6 +475,10 @@ def test_migration_0024_downgrades_with_repairs_and_admin_tokens_and_upgrades_ag
         )
     config = alembic_config()
     config.attributes["database_url"] = scratch_database
+    # The reopen named its writer (updated_by): 0025's downgrade drops it only when forced.
+    config.attributes["force"] = True
+    command.downgrade(config, "0024")
+    config.attributes["force"] = False
     command.downgrade(config, "0023")
     with psycopg.connect(scratch_database, autocommit=True) as conn:
         assert conn.execute("SELECT name FROM api_token").fetchall() == [("ci",)]
