@@ -114,7 +114,10 @@ def with_tokens(server_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> It
 def as_(with_tokens: Writers) -> Iterator[Callable[[str], httpx.Client]]:
     """A client per token name, on emptied tables; every client is closed after the test."""
     with psycopg.connect(with_tokens.database_url, autocommit=True) as conn:
-        conn.execute("TRUNCATE process_instance, workflow_step_record, workflow_step_attempt")
+        conn.execute(
+            "TRUNCATE process_instance, workflow_step_record, workflow_step_attempt,"
+            " workflow_step_repair"
+        )
     opened: dict[str, httpx.Client] = {}
 
     def client(name: str) -> httpx.Client:
