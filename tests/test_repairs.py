@@ -20,6 +20,7 @@ from alembic import command
 from steprecord_client import AsyncRecorder, Recorder, StaleAttempt
 
 from app.cli import migrate, writer_name
+from app.data.common import constraint_name
 from app.main import alembic_config
 from tests.helpers import (
     Stream,
@@ -294,7 +295,7 @@ def test_hand_written_sql_cannot_reopen_or_touch_the_repair_log(
         for statement, name in refused:
             with pytest.raises(psycopg.errors.CheckViolation) as caught:
                 conn.execute(statement)
-            assert caught.value.diag.constraint_name == name, statement
+            assert constraint_name(caught.value) == name, statement
         # The named CHECKs hold for the function's own writes too.
         for reason in ("", "x" * 501):
             with pytest.raises(psycopg.errors.CheckViolation) as caught:
@@ -303,7 +304,7 @@ def test_hand_written_sql_cannot_reopen_or_touch_the_repair_log(
                     " 'order-1', 'charge', NULL, %s, 'me')",
                     (reason,),
                 )
-            assert caught.value.diag.constraint_name == "ck_workflow_step_repair_reason_length"
+            assert constraint_name(caught.value) == "ck_workflow_step_repair_reason_length"
         # The function itself is the one way in.
         (outcome,) = (
             conn.execute(

@@ -64,13 +64,14 @@ ALTER TABLE workflow_step_attempt DROP COLUMN reported_by;
 ALTER TABLE workflow_step_record DROP COLUMN updated_by;
 """
 
+# Two counts joined, each one statement over every shard on Citus (which cannot plan an
+# EXISTS subquery of a distributed table in a WHERE without a FROM).
 LOST = """
-SELECT (SELECT count(*) FROM workflow_step_record WHERE updated_by IS NOT NULL)
-       || ' records'' and '
-       || (SELECT count(*) FROM workflow_step_attempt WHERE reported_by IS NOT NULL)
+SELECT r.n || ' records'' and ' || a.n
        || ' attempts'' writers (updated_by, reported_by) would be dropped'
-WHERE EXISTS (SELECT FROM workflow_step_record WHERE updated_by IS NOT NULL)
-   OR EXISTS (SELECT FROM workflow_step_attempt WHERE reported_by IS NOT NULL)
+FROM (SELECT count(*) AS n FROM workflow_step_record WHERE updated_by IS NOT NULL) r,
+     (SELECT count(*) AS n FROM workflow_step_attempt WHERE reported_by IS NOT NULL) a
+WHERE r.n > 0 OR a.n > 0
 """
 
 # The frozen text this revision installs, and the text its downgrade restores, beside this
