@@ -69,7 +69,7 @@ def digest(token: str) -> bytes:
 @dataclass(frozen=True, slots=True)
 class Grant:
     token_id: int
-    name: str  # who writes, as the repair log names them
+    name: str  # who writes: the records it writes (updated_by) and the repair log name it
     scope: str
     digest: bytes
     key_prefix: str | None  # only instances whose key starts with it exist for this token
@@ -88,14 +88,15 @@ class Admission:
         return None if self.grant is None else self.grant.token_id
 
     @property
-    def name(self) -> str:
-        """Who writes: the token's name, `anonymous` without one."""
+    def writer(self) -> str:
+        """Who writes what this request writes: its token's name, `anonymous` without one.
+
+        The records it writes name it (updated_by), and so does the repair log (repaired_by).
+        """
         return ANONYMOUS if self.grant is None else self.grant.name
 
 
-ANONYMOUS = "anonymous"
-
-
+ANONYMOUS = "anonymous"  # the writer of a request let in without a token
 ADMISSION = "admission"  # the key of the request's `Admission` in its scope's state
 
 

@@ -6,6 +6,7 @@ import errno
 import getpass
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -488,13 +489,14 @@ def environment_help() -> str:
 
 
 def writer_name() -> str:
-    """Who the repair log names for a repair made with the CLI: `cli:` and the OS user (`cli`
-    alone when the user has no name)."""
+    """Who the repair log and the reopened record (updated_by) name for a repair made with the
+    CLI: `cli:` and the OS user (`cli` alone when the user has no name), each character
+    outside a writer's alphabet (a token name's: letters, digits, `.`, `_`, `:`, `-`) as `-`."""
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
         return "cli"
-    return f"cli:{user}"[:200] if user else "cli"
+    return re.sub(r"[^A-Za-z0-9._:-]", "-", f"cli:{user}")[:200] if user else "cli"
 
 
 async def _repair(args: argparse.Namespace, url: str) -> int:

@@ -50,12 +50,13 @@ DISTRIBUTED_TABLES = (
 )
 DISTRIBUTED_FUNCTION = (
     "steprecord_apply_event(bigint, integer, text, text, text, bigint, timestamptz,"
-    " timestamptz, text, text, text, text, bigint, integer, text)"
+    " timestamptz, text, text, text, text, bigint, integer, text, text)"
 )
 # The general statement on one shard group's shards, delegated the same way.
 SHARD_FUNCTION = (
     "steprecord_apply_events_on_shard(bigint, integer[], text[], text[], text[], bigint[],"
-    " timestamptz[], timestamptz[], text[], text[], text[], text[], bigint[], integer[], text)"
+    " timestamptz[], timestamptz[], text[], text[], text[], text[], bigint[], integer[], text,"
+    " text)"
 )
 # A stream's read, delegated the same way: its snapshot and transaction ids are the worker's.
 STREAM_FUNCTION = "steprecord_stream_changes(bigint, text, xid8, bigint, integer)"

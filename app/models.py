@@ -183,6 +183,8 @@ class WorkflowStepRecord(SQLModel, table=True):
         CheckConstraint(
             "lease_expires_at IS NULL OR status = 'running'", name="lease_only_running"
         ),
+        # A token's name, `anonymous` or `sweeper` (all of the names' alphabet).
+        CheckConstraint(f"updated_by ~ '{NAME_PATTERN}'", name="updated_by_format"),
     )
 
     id: int | None = Field(
@@ -211,6 +213,10 @@ class WorkflowStepRecord(SQLModel, table=True):
     lease_expires_at: datetime | None = Field(
         default=None, sa_column=Column(DateTime(timezone=True), nullable=True)
     )
+    # Who last wrote the record: the name of the token whose request did (`anonymous`
+    # without tokens, `sweeper` for a swept lease); NULL for a record last written before
+    # steprecord kept writers (revision 0025), or by a call of the judge that named none.
+    updated_by: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     # The transaction that last wrote the record, set by a trigger (see the migration): a
     # stream's position. Not part of the record's JSON.
     changed_xid: str | None = Field(default=None, sa_column=Column(XID8, nullable=False))
@@ -267,6 +273,7 @@ class WorkflowStepAttempt(SQLModel, table=True):
             "trace_id ~ '^[0-9a-f]{32}$' AND trace_id <> '00000000000000000000000000000000'",
             name="trace_id_format",
         ),
+        CheckConstraint(f"reported_by ~ '{NAME_PATTERN}'", name="reported_by_format"),
     )
 
     id: int | None = Field(
@@ -302,6 +309,9 @@ class WorkflowStepAttempt(SQLModel, table=True):
             server_default=text("nullif(current_setting('steprecord.trace_id', true), '')"),
         ),
     )
+    # Who last wrote the entry: its record's writer (`updated_by`) when the record's
+    # triggers wrote it, the reporter of a late report; NULL before revision 0025.
+    reported_by: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
 
 
 class WorkflowStepRepair(SQLModel, table=True):

@@ -22,6 +22,7 @@ class Field:
     python: Any  # the field's type in the OpenAPI response model
     summary: bool = True  # False: a summary (`fields=summary`) leaves it out
     stored: str | None = "{r}.{key}"  # the column from the record's alias {r}; None: not stored
+    description: str | None = None  # the field's description in the OpenAPI document
 
 
 FIELDS = (
@@ -42,6 +43,14 @@ FIELDS = (
     Field("error_message", "text", str | None, summary=False),
     Field("created_at", "timestamptz", str),
     Field("updated_at", "timestamptz", str),
+    Field(
+        "updated_by",
+        "text",
+        str | None,
+        description="Who last wrote the record: the name of the token whose request did,"
+        " `anonymous` without tokens, `sweeper` for a lease the sweeper closed; null when it"
+        " was last written before steprecord kept writers",
+    ),
 )
 
 # The JSON keys of a record, in the API's order.

@@ -15,7 +15,10 @@ else:
         "Record",
         __config__=ConfigDict(extra="forbid"),
         **{
-            field.key: (field.python, ... if field.summary else None)
+            field.key: (
+                field.python,
+                Field(... if field.summary else None, description=field.description),
+            )
             for field in record_shape.FIELDS
         },
     )
@@ -44,6 +47,11 @@ class Attempt(BaseModel):
     )
     created_at: str
     updated_at: str
+    reported_by: str | None = Field(
+        description="Who last wrote the entry: the name of the token whose request did,"
+        " `anonymous` without tokens, `sweeper` for a lease the sweeper closed; null when it"
+        " was last written before steprecord kept writers"
+    )
 
 
 class AttemptPage(BaseModel):

@@ -174,6 +174,7 @@ ATTEMPT_KEYS = (
     "trace_id",
     "created_at",
     "updated_at",
+    "reported_by",
 )
 
 

@@ -92,8 +92,10 @@ def declare_overlapping_new_instances(database_url: str, callers: int = 6, round
                     columns += [["declare"] * n] + [[None] * n for _ in range(9)]
                     barrier.wait()
                     try:
-                        # The columns, then the trace id (none).
-                        psycopg.RawCursor(conn).execute(judge.APPLY_EVENTS, [*columns, None])
+                        # The columns, then the trace id (none) and the writer.
+                        psycopg.RawCursor(conn).execute(
+                            judge.APPLY_EVENTS, [*columns, None, f"caller-{number}"]
+                        )
                     except psycopg.errors.DeadlockDetected:
                         deadlocks.append(round_)
         except threading.BrokenBarrierError:

@@ -79,6 +79,11 @@ INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attem
                                   started_at)
 SELECT id, 'a', 0, 'running', 1, now() FROM process_instance WHERE instance_key = 'run-1'
 """
+WRITTEN_STEP = """
+INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attempt_count,
+                                  started_at, updated_by)
+SELECT id, 'a', 0, 'running', 1, now(), 'ci' FROM process_instance WHERE instance_key = 'run-1'
+"""
 DELETE_INSTANCES = ["DELETE FROM workflow_step_record", "DELETE FROM process_instance"]
 TRACED = "SELECT set_config('steprecord.trace_id', '0af7651916cd43dd8448eb211c80319c', false)"
 TOKEN = "INSERT INTO api_token (name, scope, token_sha256) VALUES ('ci', 'write', sha256('t'))"
@@ -93,6 +98,12 @@ class Loss:
 
 
 LOSSES = {
+    "0025 drops the writers": Loss(
+        "0024",
+        [INSTANCE, WRITTEN_STEP],
+        "1 records' and 1 attempts' writers (updated_by, reported_by)",
+        DELETE_INSTANCES,
+    ),
     "0015 widens a prefixed token": Loss(
         "0014",
         [

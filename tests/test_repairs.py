@@ -6,6 +6,8 @@ Most tests use the shared anonymous server (loopback: its writer is `anonymous`)
 tests run a server of their own with tokens."""
 
 import asyncio
+import getpass
+import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +19,8 @@ import pytest
 from alembic import command
 from steprecord_client import AsyncRecorder, Recorder, StaleAttempt
 
-from app.cli import migrate
+from app.cli import migrate, writer_name
+from app.data.common import constraint_name
 from app.main import alembic_config
 from tests.helpers import (
     Stream,
@@ -38,6 +41,8 @@ from tests.helpers import (
 
 T1, T2, T3, T4 = (f"2026-12-02T10:00:0{n}Z" for n in (1, 2, 3, 4))
 REASON = "the card processor confirmed the charge was reversed"
+# A writer's alphabet (ck_workflow_step_record_updated_by_format), a token name's.
+WRITER_NAME = r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}"
 
 
 def reopen(
@@ -290,7 +295,7 @@ def test_hand_written_sql_cannot_reopen_or_touch_the_repair_log(
         for statement, name in refused:
             with pytest.raises(psycopg.errors.CheckViolation) as caught:
                 conn.execute(statement)
-            assert caught.value.diag.constraint_name == name, statement
+            assert constraint_name(caught.value) == name, statement
         # The named CHECKs hold for the function's own writes too.
         for reason in ("", "x" * 501):
             with pytest.raises(psycopg.errors.CheckViolation) as caught:
@@ -299,7 +304,7 @@ def test_hand_written_sql_cannot_reopen_or_touch_the_repair_log(
                     " 'order-1', 'charge', NULL, %s, 'me')",
                     (reason,),
                 )
-            assert caught.value.diag.constraint_name == "ck_workflow_step_repair_reason_length"
+            assert constraint_name(caught.value) == "ck_workflow_step_repair_reason_length"
         # The function itself is the one way in.
         (outcome,) = (
             conn.execute(
@@ -330,6 +335,19 @@ def test_deleting_the_instance_removes_its_repair_log(
 # --- the CLI and the Python client ---------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("user", "name"),
+    [("ops", "cli:ops"), ("CORP\\j doe", "cli:CORP-j-doe"), ("", "cli"), ("x" * 300, None)],
+)
+def test_the_cli_s_writer_name_keeps_to_the_writers_alphabet(
+    monkeypatch: pytest.MonkeyPatch, user: str, name: str | None
+) -> None:
+    monkeypatch.setattr(getpass, "getuser", lambda: user)
+    written = writer_name()
+    assert re.fullmatch(WRITER_NAME, written), written
+    assert written == (name or ("cli:" + user)[:200])
+
+
 def test_cli_reopens_and_logs_its_writer(client: httpx.Client, database_url: str) -> None:
     failed(client)
     done = steprecord(
@@ -341,6 +359,7 @@ def test_cli_reopens_and_logs_its_writer(client: httpx.Client, database_url: str
     (logged,) = repairs(client)["items"]
     assert logged["by"].startswith("cli")
     assert logged["reason"] == REASON
+    assert record(client)["updated_by"] == logged["by"]
     again = steprecord(database_url, "repair", "reopen", "order-1", "charge", "--reason", REASON)
     assert again.returncode == 1
     assert "not_finished" in again.stderr
@@ -445,7 +464,12 @@ def test_reopen_needs_an_admin_token_and_stays_inside_its_prefix(with_tokens: To
         # admin includes write: the prefixed admin reports events inside its prefix.
         assert http.post(f"{step_path('acme-1', 'x')}/declare", headers=t.acme).status_code == 201
         assert reopen(http, ask, "acme-1", headers=t.acme).status_code == 200
-        assert reopen(http, ask, "globex-1", headers=t.admin).status_code == 200
+        reopened = reopen(http, ask, "globex-1", headers=t.admin)
+        assert reopened.status_code == 200, reopened.text
+        # The reopen wrote the record: its operator is now its writer, not the token `ci`.
+        assert reopened.json()["updated_by"] == "ops-admin"
+        shown = http.get(step_path("globex-1"), headers=t.reader).json()
+        assert (shown["status"], shown["updated_by"]) == ("pending", "ops-admin")
         logs = {
             key: http.get(f"/v1/instances/{key}/repairs", headers=t.reader).json()["items"]
             for key in ("acme-1", "globex-1")
@@ -475,6 +499,10 @@ def test_migration_0024_downgrades_with_repairs_and_admin_tokens_and_upgrades_ag
         )
     config = alembic_config()
     config.attributes["database_url"] = scratch_database
+    # The reopen named its writer (updated_by): 0025's downgrade drops it only when forced.
+    config.attributes["force"] = True
+    command.downgrade(config, "0024")
+    config.attributes["force"] = False
     command.downgrade(config, "0023")
     with psycopg.connect(scratch_database, autocommit=True) as conn:
         assert conn.execute("SELECT name FROM api_token").fetchall() == [("ci",)]

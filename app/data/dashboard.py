@@ -74,7 +74,7 @@ OUTPUT_HEAD = 64 * 1024
 ATTEMPTS_BUDGET = 4 * 1024 * 1024
 STEP_ATTEMPTS = f"""
 SELECT a.attempt, a.status, a.started_at, a.completed_at, a.lease_expires_at, a.error_code,
-       a.error_message, a.external_output_url, a.trace_id,
+       a.error_message, a.external_output_url, a.trace_id, a.reported_by,
        left(a.output::text, {OUTPUT_HEAD}) AS output,
        octet_length(a.output::text) AS output_bytes, a.total
 FROM (

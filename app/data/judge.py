@@ -26,13 +26,15 @@ from app.domain import (
 # PostgreSQL plans it once per connection, through any pooler, where the statement it runs
 # cost twice its execution time to plan on every call. It takes $1 the events' indexes,
 # then one array per field of `PARAMS`, in order, then the request's trace id (NULL for
-# none: the attempts the events start keep it), and answers one row per event (index,
-# outcome, record) with events of distinct steps applied in one statement, each judged as if
-# alone. It runs on a raw cursor: the text is sent as is, never parsed for placeholders.
+# none: the attempts the events start keep it), then the writer (the request's token's name,
+# or `anonymous`: every record written takes it as `updated_by`), and answers one row per
+# event (index, outcome, record) with events of distinct steps applied in one statement, each
+# judged as if alone. It runs on a raw cursor: the text is sent as is, never parsed for
+# placeholders.
 APPLY_EVENTS = (
     "SELECT * FROM steprecord_apply_events($1::int[], $2::text[], $3::text[], $4::text[],"
     " $5::bigint[], $6::timestamptz[], $7::timestamptz[], $8::text[], $9::text[], $10::text[],"
-    " $11::text[], $12::bigint[], $13::int[], $14::text)"
+    " $11::text[], $12::bigint[], $13::int[], $14::text, $15::text)"
 )
 
 # One event (not a heartbeat) with scalars for arrays (app/sql/apply_event.sql): the same
@@ -43,7 +45,7 @@ APPLY_EVENTS = (
 APPLY_EVENT = (
     "SELECT * FROM steprecord_apply_event(steprecord_instance_id($2::text), $1::int, $2::text,"
     " $3::text, $4::text, $5::bigint, $6::timestamptz, $7::timestamptz, $8::text, $9::text,"
-    " $10::text, $11::text, $12::bigint, $13::int, $14::text)"
+    " $10::text, $11::text, $12::bigint, $13::int, $14::text, $15::text)"
 )
 
 # On Citus, a batch's events of one shard group (app/sql/apply_events_on_shard.sql): the same
@@ -53,7 +55,7 @@ APPLY_EVENTS_ON_SHARD = (
     "SELECT * FROM steprecord_apply_events_on_shard(steprecord_instance_id(($2::text[])[1]),"
     " $1::int[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::timestamptz[],"
     " $7::timestamptz[], $8::text[], $9::text[], $10::text[], $11::text[], $12::bigint[],"
-    " $13::int[], $14::text)"
+    " $13::int[], $14::text, $15::text)"
 )
 
 # On Citus, the shard group of each instance key, in order: one statement for a batch.
@@ -93,27 +95,32 @@ PARAMS = (
 
 # A heartbeat extends the lease of the running attempt it names, under the record's row lock;
 # it never changes status, times or attempt_count (app/sql/heartbeat.sql). Parameters: the
-# events' indexes, then one array per field of `HEARTBEAT_PARAMS`.
+# events' indexes, then one array per field of `HEARTBEAT_PARAMS`, then the writer (a
+# heartbeat writes the record: its lease, updated_at and updated_by).
 HEARTBEAT = (
-    "SELECT * FROM steprecord_heartbeat($1::int[], $2::text[], $3::text[], $4::bigint[], $5::int[])"
+    "SELECT * FROM steprecord_heartbeat($1::int[], $2::text[], $3::text[], $4::bigint[],"
+    " $5::int[], $6::text)"
 )
 HEARTBEAT_PARAMS = ("instance_key", "step_slug", "attempt", "lease_seconds")
 
 Outcomes = list[Result | Exception]
 
 
-async def apply_event(conn: AsyncConn, event: Event, *, trace_id: str | None = None) -> Result:
+async def apply_event(
+    conn: AsyncConn, event: Event, *, writer: str, trace_id: str | None = None
+) -> Result:
     """Apply one event; raise what the database refused.
 
     It goes to `steprecord_apply_event`, which judges an existing record itself (and writes
     it only when the event applies), and calls the general statement for the rest. An attempt
-    the event starts keeps `trace_id` (the request's W3C trace id, 32 lowercase hex digits).
+    the event starts keeps `trace_id` (the request's W3C trace id, 32 lowercase hex digits);
+    a record it writes keeps `writer` (the request's token's name, or `anonymous`).
     """
     if event.kind == "heartbeat":
-        (result,) = await apply_events(conn, [event])
+        (result,) = await apply_events(conn, [event], writer=writer)
     else:
         outcomes: list[Result | Exception | None] = [None]
-        params = _scalars(trace_id)
+        params = _scalars(trace_id, writer)
         await _apply_statement(conn, APPLY_EVENT, PARAMS, [event], [0], outcomes, params)
         result = await _final(conn, event, outcomes[0])
     if isinstance(result, Exception):
@@ -122,13 +129,14 @@ async def apply_event(conn: AsyncConn, event: Event, *, trace_id: str | None = N
 
 
 async def apply_events(
-    conn: AsyncConn, events: Sequence[Event], *, trace_id: str | None = None
+    conn: AsyncConn, events: Sequence[Event], *, writer: str, trace_id: str | None = None
 ) -> Outcomes:
     """Apply events in order, each judged as if alone; one result (or refusal) per event.
 
     Consecutive events of distinct steps go in one statement; a step seen again starts the
     next statement, so later events of a step see the effects of earlier ones. The events
-    share one request, so the attempts they start all keep its `trace_id`.
+    share one request, so the attempts they start all keep its `trace_id`, and the records
+    they write its `writer`.
 
     On Citus each such statement is one per shard group (`_shard_groups`), each its own
     transaction on the one worker that holds the group: a group whose worker cannot be
@@ -141,12 +149,12 @@ async def apply_events(
     for index, event in enumerate(events):
         key = (event.instance_key, event.step_slug)
         if key in seen:
-            await _apply_segment(conn, events, segment, outcomes, trace_id, shards)
+            await _apply_segment(conn, events, segment, outcomes, trace_id, writer, shards)
             segment, seen = [], set()
         segment.append(index)
         seen.add(key)
     if segment:
-        await _apply_segment(conn, events, segment, outcomes, trace_id, shards)
+        await _apply_segment(conn, events, segment, outcomes, trace_id, writer, shards)
     return [await _final(conn, events[i], o) for i, o in enumerate(outcomes)]
 
 
@@ -179,20 +187,23 @@ async def _apply_segment(
     indexes: list[int],
     outcomes: list[Result | Exception | None],
     trace_id: str | None,
+    writer: str,
     shards: list[int] | None,
 ) -> None:
     """Apply events of distinct steps: they cannot affect each other, so heartbeats and the
     other events go in one statement each (a heartbeat starts no attempt: no trace id); on
     Citus, one statement each per shard group, in the order the groups first appear."""
     if shards is None:
-        await _apply_group(conn, events, indexes, outcomes, trace_id, APPLY_EVENTS)
+        await _apply_group(conn, events, indexes, outcomes, trace_id, writer, APPLY_EVENTS)
         return
     groups: dict[int, list[int]] = {}
     for index in indexes:
         groups.setdefault(shards[index], []).append(index)
     for group in groups.values():
         try:
-            await _apply_group(conn, events, group, outcomes, trace_id, APPLY_EVENTS_ON_SHARD)
+            await _apply_group(
+                conn, events, group, outcomes, trace_id, writer, APPLY_EVENTS_ON_SHARD
+            )
         except psycopg.OperationalError as exc:
             if conn.closed:  # the coordinator itself is gone: the whole request is refused
                 raise
@@ -209,20 +220,22 @@ async def _apply_group(
     indexes: list[int],
     outcomes: list[Result | Exception | None],
     trace_id: str | None,
+    writer: str,
     statement: str,
 ) -> None:
     beats = [index for index in indexes if events[index].kind == "heartbeat"]
     others = [index for index in indexes if events[index].kind != "heartbeat"]
     if beats:
-        await _apply_statement(conn, HEARTBEAT, HEARTBEAT_PARAMS, events, beats, outcomes)
+        params = _columns_and(writer)
+        await _apply_statement(conn, HEARTBEAT, HEARTBEAT_PARAMS, events, beats, outcomes, params)
     if others:
-        params = _columns_and(trace_id)
+        params = _columns_and(trace_id, writer)
         await _apply_statement(conn, statement, PARAMS, events, others, outcomes, params)
 
 
 # A statement's parameters: the events' indexes, then one array per field (`_columns`), or
 # for one event its index and its fields (`_scalars`); the judge's functions then take the
-# request's trace id.
+# request's trace id (not a heartbeat) and its writer.
 Params = Callable[[Sequence[Event], list[int], Sequence[str]], list[Any]]
 
 
@@ -230,17 +243,17 @@ def _columns(events: Sequence[Event], indexes: list[int], names: Sequence[str]) 
     return [indexes] + [[getattr(events[i], name) for i in indexes] for name in names]
 
 
-def _columns_and(trace_id: str | None) -> Params:
+def _columns_and(*scalars: str | None) -> Params:
     def params(events: Sequence[Event], indexes: list[int], names: Sequence[str]) -> list[Any]:
-        return [*_columns(events, indexes, names), trace_id]
+        return [*_columns(events, indexes, names), *scalars]
 
     return params
 
 
-def _scalars(trace_id: str | None) -> Params:
+def _scalars(trace_id: str | None, writer: str) -> Params:
     def params(events: Sequence[Event], indexes: list[int], names: Sequence[str]) -> list[Any]:
         (index,) = indexes
-        return [index, *(getattr(events[index], name) for name in names), trace_id]
+        return [index, *(getattr(events[index], name) for name in names), trace_id, writer]
 
     return params
 

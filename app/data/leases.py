@@ -18,6 +18,7 @@ LIMIT %(limit)s
 # at once without ever writing the same record twice, and FOR UPDATE re-checks the lease on
 # the newest row version, so a heartbeat that committed first keeps its attempt alive. The
 # clock is the statement's `now()`: Citus refuses volatile functions in a distributed write.
+# The writer is `sweeper` (the record's updated_by, and the failed attempt's reported_by).
 SWEEP_INSTANCE = """
 WITH due AS (
     SELECT r.id FROM workflow_step_record r
@@ -31,7 +32,8 @@ UPDATE workflow_step_record r SET
     error_code = 'lease_expired',
     error_message = 'no heartbeat, complete or fail arrived before the lease expired',
     lease_expires_at = NULL,
-    updated_at = now()
+    updated_at = now(),
+    updated_by = 'sweeper'
 FROM due
 WHERE r.instance_id = %(instance_id)s AND r.id = due.id
 RETURNING r.id

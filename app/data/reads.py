@@ -188,7 +188,7 @@ async def list_instances(
 ATTEMPT = (
     "a.attempt, a.status, a.started_at, a.completed_at, a.output::text AS output,"
     " a.external_output_url, a.error_code, a.error_message, a.lease_expires_at,"
-    " a.created_at, a.updated_at, a.trace_id"
+    " a.created_at, a.updated_at, a.trace_id, a.reported_by"
 )
 
 LIST_ATTEMPTS = f"""

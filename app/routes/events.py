@@ -6,7 +6,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from app import observe, schemas, tenancy, tracing
+from app import access, observe, schemas, tenancy, tracing
 from app.bodies import BODIES, KINDS, parse_batch_event, parse_envelope, parse_event
 from app.data import judge
 from app.domain import ConstraintViolation, Event, InvalidData, Kind, Result
@@ -25,6 +25,12 @@ from app.routes.common import (
 from app.routes.refusals import judged
 
 router = APIRouter(route_class=KnownQuery)
+
+
+def writer_of(request: Request) -> str:
+    """Who writes what the request writes: its token's name, or `anonymous` (app/access.py)."""
+    return access.admission_of(request.scope).writer
+
 
 SUMMARIES = {
     "declare": "Declare a step (pending)",
@@ -47,7 +53,9 @@ def _event_route(kind: Kind) -> None:
         trace_id = tracing.trace_id(request)  # the attempt this event starts keeps it
         async with primary_pool(request).connection(name="apply_event") as conn:
             try:
-                result = await judge.apply_event(conn, event, trace_id=trace_id)
+                result = await judge.apply_event(
+                    conn, event, writer=writer_of(request), trace_id=trace_id
+                )
             except (ConstraintViolation, InvalidData):
                 observe.count_event(kind, "refused")
                 raise
@@ -110,7 +118,9 @@ async def post_events(request: Request) -> Response:
     valid = [event for event in parsed if isinstance(event, Event)]
     trace_id = tracing.trace_id(request)  # one request: the attempts it starts share its trace
     async with primary_pool(request).connection(name="apply_events") as conn:
-        applied = iter(await judge.apply_events(conn, valid, trace_id=trace_id))
+        applied = iter(
+            await judge.apply_events(conn, valid, writer=writer_of(request), trace_id=trace_id)
+        )
     results = []
     counts: Counter[tuple[str, str]] = Counter()
     for item, event in zip(items, parsed, strict=True):

@@ -36,7 +36,7 @@ router = APIRouter(route_class=KnownQuery)
 async def reopen_step(request: Request, instance_key: InstanceKey, step_slug: StepSlug) -> Response:
     tenancy.check_write(request.scope, [instance_key])
     body = parse_reopen(instance_key, step_slug, await read_json(request, MAX_BODY_BYTES))
-    by = access.admission_of(request.scope).name
+    by = access.admission_of(request.scope).writer
     async with primary_pool(request).connection(name="reopen") as conn:
         reopened = await data.reopen(
             conn, instance_key, step_slug, attempt=body.attempt, reason=body.reason, by=by

@@ -6,7 +6,10 @@
 -- service's statement computes it so), then the fields of steprecord_apply_events as
 -- scalars, in the same order and with the same names (p_i, p_instance_key, ...
 -- p_lease_seconds), then p_trace_id (default NULL): the request's trace id, which the
--- attempt this event starts keeps. On Citus p_instance_id is the function's distribution
+-- attempt this event starts keeps, then p_reported_by (default NULL): the writer, the name of
+-- the token whose request sent the event (`anonymous` without tokens), which the record's
+-- updated_by takes when the event writes it (NULL: the caller named none, as a hand-written
+-- call may; the service always names one). On Citus p_instance_id is the function's distribution
 -- argument: the coordinator sends the whole call to the worker that holds the instance.
 -- An id that is not its key's finds no record, and the general statement (4) judges the
 -- event by its key alone.
@@ -31,13 +34,13 @@ CREATE OR REPLACE FUNCTION steprecord_apply_event(
     p_instance_id bigint, p_i int, p_instance_key text, p_step_slug text, p_kind text, p_attempt bigint,
     p_started_at timestamptz, p_completed_at timestamptz, p_output text,
     p_external_output_url text, p_error_code text, p_error_message text, p_ordinal bigint,
-    p_lease_seconds int, p_trace_id text DEFAULT NULL
+    p_lease_seconds int, p_trace_id text DEFAULT NULL, p_reported_by text DEFAULT NULL
 ) RETURNS TABLE (
     i integer, outcome text, recorded boolean,
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
     output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
     lease_expires_at timestamptz, error_code text, error_message text,
-    created_at timestamptz, updated_at timestamptz
+    created_at timestamptz, updated_at timestamptz, updated_by text
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
@@ -66,7 +69,7 @@ BEGIN
                AS new_started_at,
            r.id, r.step_slug, r.ordinal, r.status, r.attempt_count, r.output::text AS output,
            r.external_output_url, r.started_at, r.completed_at, r.error_code, r.error_message,
-           r.created_at, r.updated_at, r.lease_expires_at
+           r.created_at, r.updated_at, r.updated_by, r.lease_expires_at
     INTO judged
     FROM process_instance p
     JOIN workflow_step_record r ON r.instance_id = p.id AND r.step_slug = p_step_slug
@@ -81,7 +84,7 @@ BEGIN
             p_instance_id, ARRAY[p_i], ARRAY[p_instance_key], ARRAY[p_step_slug], ARRAY[p_kind],
             ARRAY[p_attempt], ARRAY[p_started_at], ARRAY[p_completed_at], ARRAY[p_output],
             ARRAY[p_external_output_url], ARRAY[p_error_code], ARRAY[p_error_message],
-            ARRAY[p_ordinal], ARRAY[p_lease_seconds], p_trace_id);
+            ARRAY[p_ordinal], ARRAY[p_lease_seconds], p_trace_id, p_reported_by);
     ELSIF judged.outcome = 'applied' THEN
         -- 3. Applied: the event replaces the record's whole state, as `upd` does.
         RETURN QUERY
@@ -97,7 +100,8 @@ BEGIN
                 error_code = p_error_code,
                 error_message = p_error_message,
                 lease_expires_at = judge_lease_expires_at(v_now, p_lease_seconds),
-                updated_at = v_now
+                updated_at = v_now,
+                updated_by = p_reported_by
             WHERE r.instance_id = p_instance_id AND r.id = judged.id
             RETURNING r.*
         )
@@ -105,7 +109,7 @@ BEGIN
                upd.id, upd.step_slug, upd.ordinal, upd.status, upd.attempt_count,
                upd.output::text AS output, upd.external_output_url, upd.started_at,
                upd.completed_at, upd.lease_expires_at, upd.error_code,
-               upd.error_message, upd.created_at, upd.updated_at
+               upd.error_message, upd.created_at, upd.updated_at, upd.updated_by
         FROM upd;
     ELSE
         -- 2. Judged without a write: the record as it stands.
@@ -113,7 +117,7 @@ BEGIN
             judged.id, judged.step_slug, judged.ordinal, judged.status, judged.attempt_count,
             judged.output, judged.external_output_url, judged.started_at,
             judged.completed_at, judged.lease_expires_at, judged.error_code,
-            judged.error_message, judged.created_at, judged.updated_at;
+            judged.error_message, judged.created_at, judged.updated_at, judged.updated_by;
     END IF;
 END
 $fn$;

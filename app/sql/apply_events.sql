@@ -8,6 +8,11 @@
 -- Then one scalar, p_trace_id (default NULL): the W3C trace id (32 lowercase hex digits) of
 -- the request that sent the events, or NULL when it had none. An attempt that an event
 -- starts keeps it (workflow_step_attempt.trace_id; see the first step below).
+-- Then p_reported_by (default NULL): the writer, the name of the token whose request sent the
+-- events (`anonymous` without tokens). Every record this call writes takes it as its
+-- updated_by (its history entry follows, attempt_history.sql), and a late report's entry as
+-- its reported_by. NULL: the caller named none (a hand-written call may; the service always
+-- names one), and what it writes shows no writer, as rows written before writers were kept.
 --
 -- The events must be of distinct steps: each is judged as if alone (the caller splits a
 -- list where a step repeats, so later events of a step see the earlier ones' effects).
@@ -56,13 +61,14 @@ CREATE OR REPLACE FUNCTION steprecord_apply_events(
     p_i int[], p_instance_key text[], p_step_slug text[], p_kind text[], p_attempt bigint[],
     p_started_at timestamptz[], p_completed_at timestamptz[], p_output text[],
     p_external_output_url text[], p_error_code text[], p_error_message text[],
-    p_ordinal bigint[], p_lease_seconds int[], p_trace_id text DEFAULT NULL
+    p_ordinal bigint[], p_lease_seconds int[], p_trace_id text DEFAULT NULL,
+    p_reported_by text DEFAULT NULL
 ) RETURNS TABLE (
     i integer, outcome text, recorded boolean,
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
     output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
     lease_expires_at timestamptz, error_code text, error_message text,
-    created_at timestamptz, updated_at timestamptz
+    created_at timestamptz, updated_at timestamptz, updated_by text
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
@@ -170,7 +176,8 @@ BEGIN
             error_code = d.error_code,
             error_message = d.error_message,
             lease_expires_at = d.lease_expires_at,
-            updated_at = d.now
+            updated_at = d.now,
+            updated_by = p_reported_by
         FROM dec d
         WHERE r.instance_id = ANY (v_ids)
           AND r.instance_id = d.instance_id AND r.id = d.id AND d.outcome = 'applied'
@@ -204,10 +211,10 @@ BEGIN
     late_write AS (
         INSERT INTO workflow_step_attempt AS a (
             id, instance_id, record_id, attempt, status, started_at, completed_at, output,
-            external_output_url, error_code, error_message, created_at, updated_at)
+            external_output_url, error_code, error_message, created_at, updated_at, reported_by)
         OVERRIDING SYSTEM VALUE
         SELECT nextval('workflow_step_attempt_id_seq'), l.instance_id, l.record_id, l.attempt, l.target, l.started_at, l.completed_at,
-               l.output, l.url, l.error_code, l.error_message, l.now, l.now
+               l.output, l.url, l.error_code, l.error_message, l.now, l.now, p_reported_by
         FROM late l
         WHERE (l.entry_status IS NULL OR l.entry_status = 'superseded')
           AND l.started_at <= l.completed_at
@@ -220,7 +227,8 @@ BEGIN
             external_output_url = EXCLUDED.external_output_url,
             error_code = EXCLUDED.error_code,
             error_message = EXCLUDED.error_message,
-            updated_at = EXCLUDED.updated_at
+            updated_at = EXCLUDED.updated_at,
+            reported_by = EXCLUDED.reported_by
         WHERE a.status = 'superseded'
         RETURNING a.record_id, a.attempt
     ),
@@ -310,14 +318,14 @@ BEGIN
         INSERT INTO workflow_step_record AS r (
             id, instance_id, step_slug, ordinal, status, attempt_count, output,
             external_output_url, started_at, completed_at, error_code, error_message,
-            lease_expires_at, created_at, updated_at)
+            lease_expires_at, created_at, updated_at, updated_by)
         OVERRIDING SYSTEM VALUE
         SELECT nextval('workflow_step_record_id_seq'), inst.id, e.step_slug, a.ordinal, e.target,
                judge_event_attempt(e.kind, e.attempt, 1, 'pending'),
                e.output, e.url,
                CASE WHEN e.kind <> 'declare' THEN COALESCE(e.started_at, e.now) END,
                judge_event_completed_at(e.kind, e.completed_at, e.now, e.started_at),
-               e.error_code, e.error_message, e.lease_expires_at, e.now, e.now
+               e.error_code, e.error_message, e.lease_expires_at, e.now, e.now, p_reported_by
         FROM assigned a
         JOIN e ON e.i = a.i
         JOIN inst ON inst.instance_key = a.instance_key
@@ -331,7 +339,7 @@ BEGIN
            ins.id, ins.step_slug, ins.ordinal, ins.status, ins.attempt_count,
            ins.output::text AS output, ins.external_output_url, ins.started_at,
            ins.completed_at, ins.lease_expires_at, ins.error_code,
-           ins.error_message, ins.created_at, ins.updated_at
+           ins.error_message, ins.created_at, ins.updated_at, ins.updated_by
     FROM ins JOIN inst ON inst.id = ins.instance_id
     JOIN e ON e.instance_key = inst.instance_key AND e.step_slug = ins.step_slug
     UNION ALL
@@ -339,29 +347,32 @@ BEGIN
            upd.id, upd.step_slug, upd.ordinal, upd.status, upd.attempt_count,
            upd.output::text AS output, upd.external_output_url, upd.started_at,
            upd.completed_at, upd.lease_expires_at, upd.error_code,
-           upd.error_message, upd.created_at, upd.updated_at
+           upd.error_message, upd.created_at, upd.updated_at, upd.updated_by
     FROM upd
     UNION ALL
     SELECT d.i, d.outcome, EXISTS (SELECT 1 FROM late_recorded r WHERE r.i = d.i),
            cur.id, cur.step_slug, cur.ordinal, cur.status, cur.attempt_count,
            cur.output::text AS output, cur.external_output_url, cur.started_at,
            cur.completed_at, cur.lease_expires_at, cur.error_code,
-           cur.error_message, cur.created_at, cur.updated_at
+           cur.error_message, cur.created_at, cur.updated_at, cur.updated_by
     FROM dec d JOIN cur ON cur.i = d.i
     WHERE d.outcome <> 'applied'
     UNION ALL
     SELECT e.i, 'not_started', false,
-           NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+           NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+           NULL
     FROM e
     WHERE NOT e.can_create AND NOT EXISTS (SELECT 1 FROM cur WHERE cur.i = e.i)
       AND NOT EXISTS (SELECT 1 FROM collided c WHERE c.i = e.i)
     UNION ALL
     SELECT a.i, 'ordinal_taken', false,
-           NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+           NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+           NULL
     FROM assigned a WHERE a.ordinal > 2147483647
     UNION ALL
     SELECT c.i, 'instance_key_collision', false,
-           NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+           NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+           NULL
     FROM collided c;
 END
 $fn$;

@@ -23,13 +23,13 @@ CREATE OR REPLACE FUNCTION steprecord_apply_events_on_shard(
     p_attempt bigint[], p_started_at timestamptz[], p_completed_at timestamptz[],
     p_output text[], p_external_output_url text[], p_error_code text[],
     p_error_message text[], p_ordinal bigint[], p_lease_seconds int[],
-    p_trace_id text DEFAULT NULL
+    p_trace_id text DEFAULT NULL, p_reported_by text DEFAULT NULL
 ) RETURNS TABLE (
     i integer, outcome text, recorded boolean,
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
     output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
     lease_expires_at timestamptz, error_code text, error_message text,
-    created_at timestamptz, updated_at timestamptz
+    created_at timestamptz, updated_at timestamptz, updated_by text
 )
 LANGUAGE plpgsql
 SET steprecord.writer = 'judge'
@@ -48,7 +48,7 @@ BEGIN
         RETURN QUERY SELECT * FROM steprecord_apply_events(
             p_i, p_instance_key, p_step_slug, p_kind, p_attempt, p_started_at, p_completed_at,
             p_output, p_external_output_url, p_error_code, p_error_message, p_ordinal,
-            p_lease_seconds, p_trace_id);
+            p_lease_seconds, p_trace_id, p_reported_by);
         RETURN;
     END IF;
     PERFORM set_config('steprecord.trace_id', coalesce(p_trace_id, ''), true);
@@ -65,7 +65,7 @@ BEGIN
     FROM pg_proc p
     WHERE p.oid = 'steprecord_apply_events(int[], text[], text[], text[], bigint[],
                    timestamptz[], timestamptz[], text[], text[], text[], text[], bigint[],
-                   int[], text)'::regprocedure;
+                   int[], text, text)'::regprocedure;
     FOREACH v_table IN ARRAY ARRAY['process_instance', 'workflow_step_record',
                                    'workflow_step_attempt'] LOOP
         v_shard_table := shard_name(v_table::regclass,
@@ -82,6 +82,7 @@ BEGIN
     END LOOP;
     v_statement := regexp_replace(v_statement, '\mv_now\M', '$14', 'g');
     v_statement := regexp_replace(v_statement, '\mv_ids\M', '$15', 'g');
+    v_statement := regexp_replace(v_statement, '\mp_reported_by\M', '$16', 'g');
     FOR n IN 1..13 LOOP
         v_statement := regexp_replace(
             v_statement,
@@ -95,6 +96,6 @@ BEGIN
     RETURN QUERY EXECUTE v_statement USING
         p_i, p_instance_key, p_step_slug, p_kind, p_attempt, p_started_at, p_completed_at,
         p_output, p_external_output_url, p_error_code, p_error_message, p_ordinal,
-        p_lease_seconds, v_now, v_ids;
+        p_lease_seconds, v_now, v_ids, p_reported_by;
 END
 $fn$;

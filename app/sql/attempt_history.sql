@@ -17,16 +17,19 @@
 -- attempt row exists from the moment its attempt starts and is brought up to date by every
 -- write of its record; the WHERE skips writes that change nothing the history shows. A
 -- running attempt mirrors the record's lease; a finished one keeps the last lease it held.
+-- An entry written names its record's writer (reported_by = the record's updated_by):
+-- whoever last wrote the record last wrote the entry.
 CREATE OR REPLACE FUNCTION workflow_step_record_history_insert() RETURNS trigger
 LANGUAGE plpgsql AS $fn$
 BEGIN
     INSERT INTO workflow_step_attempt AS a (
         instance_id, record_id, attempt, status, started_at, completed_at, output,
         external_output_url, error_code, error_message, lease_expires_at,
-        created_at, updated_at)
+        created_at, updated_at, reported_by)
     VALUES (NEW.instance_id, NEW.id, NEW.attempt_count, NEW.status, NEW.started_at,
             NEW.completed_at, NEW.output, NEW.external_output_url, NEW.error_code,
-            NEW.error_message, NEW.lease_expires_at, NEW.updated_at, NEW.updated_at)
+            NEW.error_message, NEW.lease_expires_at, NEW.updated_at, NEW.updated_at,
+            NEW.updated_by)
     ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_instance_id_record_id_attempt
     DO UPDATE SET
         status = EXCLUDED.status,
@@ -38,7 +41,8 @@ BEGIN
         error_message = EXCLUDED.error_message,
         lease_expires_at = CASE WHEN EXCLUDED.status = 'running'
                                 THEN EXCLUDED.lease_expires_at ELSE a.lease_expires_at END,
-        updated_at = EXCLUDED.updated_at
+        updated_at = EXCLUDED.updated_at,
+        reported_by = EXCLUDED.reported_by
     WHERE (a.status, a.started_at, a.completed_at, a.output, a.external_output_url,
            a.error_code, a.error_message, a.lease_expires_at)
           IS DISTINCT FROM
@@ -52,8 +56,9 @@ $fn$;
 
 -- After a record is updated: first, a running attempt overtaken by a higher attempt
 -- becomes `superseded` (it started and never reported an end; completed_at = when the next
--- attempt took over, never before its own start). Then the record's current attempt, unless
--- the record is pending, is inserted or brought up to date, as after an insert.
+-- attempt took over, never before its own start). The superseded entry names the writer of
+-- the record's update that took it over, its last writer. Then the record's current attempt,
+-- unless the record is pending, is inserted or brought up to date, as after an insert.
 CREATE OR REPLACE FUNCTION workflow_step_record_history_update() RETURNS trigger
 LANGUAGE plpgsql AS $fn$
 BEGIN
@@ -61,7 +66,8 @@ BEGIN
         UPDATE workflow_step_attempt a SET
             status = 'superseded',
             completed_at = GREATEST(a.started_at, COALESCE(NEW.started_at, NEW.updated_at)),
-            updated_at = NEW.updated_at
+            updated_at = NEW.updated_at,
+            reported_by = NEW.updated_by
         WHERE a.instance_id = OLD.instance_id AND a.record_id = OLD.id
           AND a.attempt = OLD.attempt_count AND a.status = 'running';
     END IF;
@@ -71,10 +77,11 @@ BEGIN
     INSERT INTO workflow_step_attempt AS a (
         instance_id, record_id, attempt, status, started_at, completed_at, output,
         external_output_url, error_code, error_message, lease_expires_at,
-        created_at, updated_at)
+        created_at, updated_at, reported_by)
     VALUES (NEW.instance_id, NEW.id, NEW.attempt_count, NEW.status, NEW.started_at,
             NEW.completed_at, NEW.output, NEW.external_output_url, NEW.error_code,
-            NEW.error_message, NEW.lease_expires_at, NEW.updated_at, NEW.updated_at)
+            NEW.error_message, NEW.lease_expires_at, NEW.updated_at, NEW.updated_at,
+            NEW.updated_by)
     ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_instance_id_record_id_attempt
     DO UPDATE SET
         status = EXCLUDED.status,
@@ -86,7 +93,8 @@ BEGIN
         error_message = EXCLUDED.error_message,
         lease_expires_at = CASE WHEN EXCLUDED.status = 'running'
                                 THEN EXCLUDED.lease_expires_at ELSE a.lease_expires_at END,
-        updated_at = EXCLUDED.updated_at
+        updated_at = EXCLUDED.updated_at,
+        reported_by = EXCLUDED.reported_by
     WHERE (a.status, a.started_at, a.completed_at, a.output, a.external_output_url,
            a.error_code, a.error_message, a.lease_expires_at)
           IS DISTINCT FROM

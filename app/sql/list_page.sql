@@ -27,7 +27,8 @@ CREATE OR REPLACE FUNCTION steprecord_list_page(
     id bigint, instance_key text, step_slug text, ordinal integer, status text,
     attempt_count integer, output text, external_output_url text,
     started_at timestamptz, completed_at timestamptz, lease_expires_at timestamptz,
-    error_code text, error_message text, created_at timestamptz, updated_at timestamptz
+    error_code text, error_message text, created_at timestamptz, updated_at timestamptz,
+    updated_by text
 )
 LANGUAGE plpgsql STABLE
 SET plan_cache_mode = force_generic_plan
@@ -39,7 +40,8 @@ BEGIN
         RETURN QUERY
         SELECT r.id, p.instance_key, r.step_slug, r.ordinal, r.status, r.attempt_count,
                r.output::text, r.external_output_url, r.started_at, r.completed_at,
-               r.lease_expires_at, r.error_code, r.error_message, r.created_at, r.updated_at
+               r.lease_expires_at, r.error_code, r.error_message, r.created_at, r.updated_at,
+               r.updated_by
         FROM process_instance p
         LEFT JOIN LATERAL (
             SELECT * FROM workflow_step_record r
@@ -56,7 +58,8 @@ BEGIN
         RETURN QUERY
         SELECT r.id, p.instance_key, r.step_slug, r.ordinal, r.status, r.attempt_count,
                r.output::text, r.external_output_url, r.started_at, r.completed_at,
-               r.lease_expires_at, r.error_code, r.error_message, r.created_at, r.updated_at
+               r.lease_expires_at, r.error_code, r.error_message, r.created_at, r.updated_at,
+               r.updated_by
         FROM process_instance p
         LEFT JOIN LATERAL (
             SELECT * FROM workflow_step_record r
@@ -73,7 +76,8 @@ BEGIN
         RETURN QUERY
         SELECT r.id, p.instance_key, r.step_slug, r.ordinal, r.status, r.attempt_count,
                r.output::text, r.external_output_url, r.started_at, r.completed_at,
-               r.lease_expires_at, r.error_code, r.error_message, r.created_at, r.updated_at
+               r.lease_expires_at, r.error_code, r.error_message, r.created_at, r.updated_at,
+               r.updated_by
         FROM process_instance p
         LEFT JOIN LATERAL (
             (SELECT * FROM workflow_step_record r

@@ -78,7 +78,7 @@ RETURNS TABLE (
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
     output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
     lease_expires_at timestamptz, error_code text, error_message text,
-    created_at timestamptz, updated_at timestamptz
+    created_at timestamptz, updated_at timestamptz, updated_by text
 )
 LANGUAGE plpgsql STABLE
 SET plan_cache_mode = force_custom_plan
@@ -113,7 +113,7 @@ BEGIN
            s.changed_xid,
            s.id, s.step_slug, s.ordinal, s.status, s.attempt_count, s.output,
            s.external_output_url, s.started_at, s.completed_at, s.lease_expires_at,
-           s.error_code, s.error_message, s.created_at, s.updated_at
+           s.error_code, s.error_message, s.created_at, s.updated_at, s.updated_by
     FROM (SELECT) one
     LEFT JOIN process_instance p
         ON p.id = p_instance_id AND p.instance_key = p_instance_key
@@ -121,7 +121,7 @@ BEGIN
         SELECT r.changed_xid, r.id, r.step_slug, r.ordinal, r.status, r.attempt_count,
                r.output::text AS output, r.external_output_url, r.started_at,
                r.completed_at, r.lease_expires_at, r.error_code, r.error_message,
-               r.created_at, r.updated_at
+               r.created_at, r.updated_at, r.updated_by
         FROM workflow_step_record r
         WHERE r.instance_id = p_instance_id AND p.id IS NOT NULL
           AND (r.changed_xid, r.id) > (v_after_xid, v_after_id)

@@ -25,8 +25,6 @@ BEGIN
     ELSIF (NEW.attempt_count, new_rank) < (OLD.attempt_count, old_rank) THEN
         why := format('(attempt_count, rank) may not go back from (%s, %s) to (%s, %s)',
                       OLD.attempt_count, old_rank, NEW.attempt_count, new_rank);
-    -- A finished attempt is a fact: within the same attempt its status, times, output and
-    -- error never change. Only a higher attempt reopens the record.
     -- Back to pending at a higher attempt: only an operator's reopen of a finished record
     -- (steprecord_reopen, reopen.sql, which sets steprecord.writer = 'repair' for its call
     -- and logs the repair). Every event starts the next attempt running or finished.
@@ -37,12 +35,17 @@ BEGIN
           THEN
         why := 'only steprecord_reopen takes a record back to pending, from finished, at'
                ' the next attempt';
+    -- A finished attempt is a fact: within the same attempt its status, times, output,
+    -- error, and who wrote it (updated_by) never change. Only a higher attempt reopens the
+    -- record. (The judge never writes a finished record within its attempt: a replay writes
+    -- nothing, a late report writes the history alone.)
     ELSIF OLD.status IN ('completed', 'failed') AND NEW.attempt_count = OLD.attempt_count
           AND (NEW.status, NEW.started_at, NEW.completed_at, NEW.output,
-               NEW.external_output_url, NEW.error_code, NEW.error_message)
+               NEW.external_output_url, NEW.error_code, NEW.error_message, NEW.updated_by)
               IS DISTINCT FROM
               (OLD.status, OLD.started_at, OLD.completed_at, OLD.output,
-               OLD.external_output_url, OLD.error_code, OLD.error_message) THEN
+               OLD.external_output_url, OLD.error_code, OLD.error_message,
+               OLD.updated_by) THEN
         why := 'a finished attempt never changes; only a higher attempt reopens it';
     END IF;
     IF why IS NOT NULL THEN

@@ -9,7 +9,8 @@
 -- holds the instance); the instance's key; the step's slug; p_attempt, the attempt the
 -- operator saw (NULL: whichever is current); the reason (1-500 characters, held by
 -- ck_workflow_step_repair_reason_length); p_by, who asks (the token's name, `anonymous`, or
--- the CLI's writer name).
+-- the CLI's writer name): the repair log's repaired_by, and the reopened record's updated_by
+-- (its last writer), as every judge's write names its writer.
 --
 -- Answer: one row, `outcome` and the record as it stands after the call, plus the repair
 -- log entry (repair_id, repair_at) when one was written. Outcomes:
@@ -34,7 +35,7 @@ CREATE OR REPLACE FUNCTION steprecord_reopen(
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
     output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
     lease_expires_at timestamptz, error_code text, error_message text,
-    created_at timestamptz, updated_at timestamptz,
+    created_at timestamptz, updated_at timestamptz, updated_by text,
     repair_id bigint, repair_at timestamptz
 )
 LANGUAGE plpgsql
@@ -70,7 +71,7 @@ BEGIN
         RETURN QUERY SELECT v_outcome, NULL::bigint, NULL::text, NULL::int, NULL::text,
             NULL::int, NULL::text, NULL::text, NULL::timestamptz, NULL::timestamptz,
             NULL::timestamptz, NULL::text, NULL::text, NULL::timestamptz, NULL::timestamptz,
-            NULL::bigint, NULL::timestamptz;
+            NULL::text, NULL::bigint, NULL::timestamptz;
         RETURN;
     END IF;
 
@@ -87,7 +88,7 @@ BEGIN
         RETURN QUERY SELECT v_outcome, r.id, r.step_slug, r.ordinal, r.status,
             r.attempt_count, r.output::text, r.external_output_url, r.started_at,
             r.completed_at, r.lease_expires_at, r.error_code, r.error_message,
-            r.created_at, r.updated_at, NULL::bigint, NULL::timestamptz;
+            r.created_at, r.updated_at, r.updated_by, NULL::bigint, NULL::timestamptz;
         RETURN;
     END IF;
 
@@ -101,7 +102,8 @@ BEGIN
         error_code = NULL,
         error_message = NULL,
         lease_expires_at = NULL,
-        updated_at = v_now
+        updated_at = v_now,
+        updated_by = p_by
     WHERE rec.instance_id = p_instance_id AND rec.id = r.id
     RETURNING rec.* INTO r;
 
@@ -114,6 +116,6 @@ BEGIN
     RETURN QUERY SELECT 'reopened'::text, r.id, r.step_slug, r.ordinal, r.status,
         r.attempt_count, r.output::text, r.external_output_url, r.started_at,
         r.completed_at, r.lease_expires_at, r.error_code, r.error_message,
-        r.created_at, r.updated_at, v_repair_id, v_now;
+        r.created_at, r.updated_at, r.updated_by, v_repair_id, v_now;
 END
 $fn$;

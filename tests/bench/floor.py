@@ -54,7 +54,7 @@ def _pool() -> Pool:
 async def event(key: str, slug: str, kind: Any, body: bytes) -> tuple[int, bytes]:
     parsed = parse_event(key, slug, kind, loads(body) if body else None)
     async with _pool().connection() as conn:
-        result = await judge.apply_event(conn, parsed)
+        result = await judge.apply_event(conn, parsed, writer="anonymous")
     status, record = judged(result, parsed)
     return status, dumps(record)
 
