@@ -30,12 +30,13 @@ def violation(exc: psycopg.errors.IntegrityError) -> ConstraintViolation:
 # message but without the constraint's name, and a unique, primary or foreign key is the
 # shard's copy, named `<name>_<shard id>`. The name is in PostgreSQL's own message
 # (`... constraint "<name>"`); the guards' triggers (app/sql/record_guard.sql,
-# attempt_history.sql) begin theirs with the table they guard.
+# attempt_history.sql, repair_log.sql) begin theirs with the table they guard.
 _NAMED = re.compile(r'constraint "([^"]+)"')
 _SHARD_SUFFIX = re.compile(r"^((?:pk|uq|fk)_\w+?)_[0-9]+$")
 _GUARDS = (
     (re.compile(r"^workflow_step_record [0-9]+: "), "tr_workflow_step_record_transition"),
     (re.compile(r"^workflow_step_attempt: "), "tr_workflow_step_attempt_guard"),
+    (re.compile(r"^workflow_step_repair: "), "tr_workflow_step_repair_guard"),
 )
 
 
