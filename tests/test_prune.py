@@ -92,7 +92,8 @@ def test_prune_deletes_finished_instances_last_written_before_the_cutoff(
     with psycopg.connect(database_url) as conn:
         orphans = conn.execute(
             "SELECT count(*) FROM workflow_step_attempt a"
-            " LEFT JOIN workflow_step_record r ON r.id = a.record_id WHERE r.id IS NULL"
+            " LEFT JOIN workflow_step_record r"
+            " ON r.instance_id = a.instance_id AND r.id = a.record_id WHERE r.id IS NULL"
         ).fetchone()
     assert orphans == (0,)
 
