@@ -48,34 +48,43 @@ DISTRIBUTED_TABLES = (
     ("workflow_step_attempt", "instance_id"),
     ("workflow_step_repair", "instance_id"),
 )
-DISTRIBUTED_FUNCTION = (
-    "steprecord_apply_event(bigint, integer, text, text, text, bigint, timestamptz,"
-    " timestamptz, text, text, text, text, bigint, integer, text, text)"
+# The functions delegated to the worker that holds the instance (4. above), by name: the
+# revision the database is at decides their arguments (a downgrade creates them again, as they
+# were), and each is delegated once it is there and takes `p_instance_id`. The one-event
+# judge; the general statement on one shard group's shards; an operator's reopen
+# (app/sql/reopen.sql); a stream's read, whose snapshot and transaction ids are the worker's.
+DELEGATED_FUNCTIONS = (
+    "steprecord_apply_event",
+    "steprecord_apply_events_on_shard",
+    "steprecord_reopen",
+    "steprecord_stream_changes",
 )
-# The general statement on one shard group's shards, delegated the same way.
-SHARD_FUNCTION = (
-    "steprecord_apply_events_on_shard(bigint, integer[], text[], text[], text[], bigint[],"
-    " timestamptz[], timestamptz[], text[], text[], text[], text[], bigint[], integer[], text,"
-    " text)"
-)
-# A stream's read, delegated the same way: its snapshot and transaction ids are the worker's.
-STREAM_FUNCTION = "steprecord_stream_changes(bigint, text, xid8, bigint, integer)"
-# An operator's reopen (app/sql/reopen.sql), delegated the same way: one event on one worker.
-REOPEN_FUNCTION = "steprecord_reopen(bigint, text, text, integer, text, text)"
 CUSTOM_PLANS = (
-    DISTRIBUTED_FUNCTION,
-    REOPEN_FUNCTION,
+    "steprecord_apply_event",
+    "steprecord_reopen",
     "steprecord_apply_events",
     "steprecord_heartbeat",
     "steprecord_list_page",
 )
 
 HAS_CITUS = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"
-DISTRIBUTED = "SELECT 1 FROM pg_dist_partition WHERE logicalrelid = %s::regclass"
+# A table the database's revision has (the repair log came with 0024) and that is not
+# distributed yet.
+UNDISTRIBUTED = """
+SELECT 1 WHERE to_regclass(%(table)s) IS NOT NULL AND NOT EXISTS
+    (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = to_regclass(%(table)s))
+"""
 FUNCTION_DISTRIBUTED = """
 SELECT 1 FROM pg_dist_object
 WHERE classid = 'pg_proc'::regclass AND objid = %s::regprocedure AND distribution_argument_index
 IS NOT NULL
+"""
+
+# The schema's function of that name, if the database's revision has it, with its arguments.
+NAMED_FUNCTION = """
+SELECT p.oid::regprocedure::text, 'p_instance_id' = ANY (p.proargnames) FROM pg_proc p
+JOIN pg_namespace n ON n.oid = p.pronamespace
+WHERE n.nspname = 'public' AND p.proname = %s
 """
 
 # The schema's functions that the workers do not have yet: those made before the extension
@@ -96,10 +105,11 @@ ORDER BY p.oid
 def custom_plan_statements() -> list[str]:
     """The statements by which distribution makes the judge's functions plan with their values
     (5. above): all it changes in the functions `app/sql/` defines."""
-    return [
-        f"ALTER FUNCTION {function} SET plan_cache_mode = force_custom_plan"
-        for function in CUSTOM_PLANS
-    ]
+    return [custom_plan(function) for function in CUSTOM_PLANS]
+
+
+def custom_plan(function: str) -> str:
+    return f"ALTER FUNCTION {function} SET plan_cache_mode = force_custom_plan"
 
 
 def has_citus(connection: Connection) -> bool:
@@ -120,7 +130,7 @@ def distribute(connection: Connection) -> bool:
     for (function,) in sql(LOCAL_FUNCTIONS).all():
         sql("SELECT create_distributed_function(%s)", (function,))
     for table, column in DISTRIBUTED_TABLES:
-        if sql(DISTRIBUTED, (table,)).first() is not None:
+        if sql(UNDISTRIBUTED, {"table": table}).first() is None:
             continue
         if table == "process_instance":
             sql(
@@ -136,13 +146,15 @@ def distribute(connection: Connection) -> bool:
             (table, column, colocate),
         )
         sql(f"ALTER TABLE {table} ENABLE TRIGGER USER")
-    for function in (DISTRIBUTED_FUNCTION, SHARD_FUNCTION, REOPEN_FUNCTION, STREAM_FUNCTION):
-        if sql(FUNCTION_DISTRIBUTED, (function,)).first() is None:
-            sql(
-                "SELECT create_distributed_function(%s, 'p_instance_id',"
-                " colocate_with => 'process_instance')",
-                (function,),
-            )
-    for statement in custom_plan_statements():
-        sql(statement)
+    for name in DELEGATED_FUNCTIONS:
+        for function, by_instance in sql(NAMED_FUNCTION, (name,)).all():
+            if by_instance and sql(FUNCTION_DISTRIBUTED, (function,)).first() is None:
+                sql(
+                    "SELECT create_distributed_function(%s, 'p_instance_id',"
+                    " colocate_with => 'process_instance')",
+                    (function,),
+                )
+    for name in CUSTOM_PLANS:
+        for function, _ in sql(NAMED_FUNCTION, (name,)).all():
+            sql(custom_plan(function))
     return True

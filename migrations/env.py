@@ -8,7 +8,7 @@ from sqlalchemy import Connection
 from app.config import Settings
 from app.data.revision import MIGRATION_LOCK
 from app.db import sync_engine
-from app.distribution import distribute
+from app.distribution import distribute, has_citus
 from app.main import COMPATIBLE_AHEAD
 from app.models import metadata
 
@@ -27,6 +27,8 @@ def upgrade_on(connection: Connection) -> None:
                 file=sys.stderr,
             )
             return
+        if has_citus(connection):
+            connection.exec_driver_sql("SET LOCAL citus.multi_shard_modify_mode = 'sequential'")
         context.run_migrations()
         # On Citus, distribute what is not distributed yet (app/distribution.py); nothing
         # on one node. In the same transaction, under the same lock.

@@ -13,6 +13,7 @@ from alembic.config import Config
 
 from app.main import alembic_config
 from migrations.guard import MigrationRefused
+from tests.helpers import has_citus
 
 
 def config_for(url: str) -> Config:
@@ -190,3 +191,18 @@ def test_a_downgrade_is_forced_from_alembic_s_command_line(scratch_database: str
     config.cmd_opts = argparse.Namespace(x=["force=true"])
     command.downgrade(config, "0014")
     assert revision_of(scratch_database) == "0014"
+
+
+def test_on_citus_the_downgrade_of_0020_refuses_and_changes_nothing(scratch_database: str) -> None:
+    """Citus keeps no key without the distribution column, which the revisions before 0020
+    need: going below it refuses, saying why, and the downgrades before it in the same run
+    are undone too."""
+    config = config_for(scratch_database)
+    command.upgrade(config, "head")
+    if not has_citus(scratch_database):
+        pytest.skip("about a database distributed on Citus; on one node 0020's downgrade proceeds")
+    head = revision_of(scratch_database)
+    with pytest.raises(MigrationRefused) as refused:
+        command.downgrade(config, "0019")
+    assert "downgrade of 0020 refused: the database is distributed on Citus" in str(refused.value)
+    assert revision_of(scratch_database) == head

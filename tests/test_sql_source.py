@@ -8,7 +8,6 @@ import re
 from pathlib import Path
 
 import psycopg
-import pytest
 from alembic import command
 from alembic.script import ScriptDirectory
 
@@ -145,19 +144,21 @@ def test_every_revision_s_downgrade_restores_the_schema_its_upgrade_found(
     scratch_database: str,
 ) -> None:
     """Revision by revision from an empty database: upgrade, downgrade, and the functions,
-    triggers, constraints, indexes and columns are exactly what they were; then upgrade."""
-    if has_citus(scratch_database):
-        pytest.skip(
-            "one node's revisions: each upgrade ends by distributing on Citus, which the"
-            " revisions before instance ids were derived (0020) cannot be (their unique keys"
-            " leave out the distribution column); the cluster starts at head"
-        )
+    triggers, constraints, indexes and columns are exactly what they were; then upgrade.
+    On Citus from revision 0020 on: every upgrade ends by distributing, which the revisions
+    before instance ids were derived cannot be (their unique keys leave out the distribution
+    column), and 0020's downgrade refuses on a distributed database (see the test below)."""
     config = alembic_config()
     config.attributes["database_url"] = scratch_database
     revisions = [script.revision for script in ScriptDirectory.from_config(config).walk_revisions()]
     revisions.reverse()
     assert len(revisions) >= 18
-    for previous, revision in zip(["base", *revisions], revisions, strict=False):
+    steps = list(zip(["base", *revisions], revisions, strict=False))
+    if has_citus(scratch_database):
+        command.upgrade(config, "0020")
+        steps = steps[revisions.index("0020") + 1 :]
+        assert steps[0] == ("0020", "0021")
+    for previous, revision in steps:
         with psycopg.connect(scratch_database) as conn:
             before = catalog(conn, SCHEMA)
         command.upgrade(config, revision)

@@ -33,7 +33,8 @@ distribute it on Citus (app/distribution.py):
 
 Downgrade: the previous keys and functions. The instances keep their derived ids (ids are
 never reused, and their rows stay where they are): `process_instance.id` becomes an identity
-again that starts above the largest id.
+again that starts above the largest id. On a database distributed on Citus it refuses, changing
+nothing: Citus keeps no key that leaves out the distribution column, which the previous keys do.
 
 Revision ID: 0020
 Revises: 0019
@@ -44,6 +45,9 @@ from pathlib import Path
 
 from alembic import op
 
+from migrations import script
+from migrations.guard import MigrationRefused
+
 revision = "0020"
 down_revision = "0019"
 branch_labels = None
@@ -51,6 +55,7 @@ depends_on = None
 
 UP = Path(__file__).with_suffix(".up.sql")
 DOWN = Path(__file__).with_suffix(".down.sql")
+CITUS = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"
 
 REKEY = """
 ALTER TABLE workflow_step_attempt
@@ -113,12 +118,18 @@ ALTER TABLE workflow_step_attempt
 
 
 def upgrade() -> None:
-    op.execute(UP.read_text())
-    op.execute(REKEY)
+    script.run(UP.read_text())
+    script.run(REKEY)
 
 
 def downgrade() -> None:
-    op.execute(UNKEY)
+    if op.get_bind().exec_driver_sql(CITUS).first() is not None:
+        raise MigrationRefused(
+            "downgrade of 0020 refused: the database is distributed on Citus, which keeps no"
+            " primary or unique key without instance_id, and the revisions before 0020 need such"
+            " keys: they cannot run on Citus. Nothing was changed"
+        )
+    script.run(UNKEY)
     start = (
         op.get_bind()
         .exec_driver_sql("SELECT GREATEST(max(id), 0) + 1 FROM process_instance")
@@ -128,4 +139,4 @@ def downgrade() -> None:
         "ALTER TABLE process_instance ALTER COLUMN id"
         f" ADD GENERATED ALWAYS AS IDENTITY (START WITH {int(start)})"
     )
-    op.execute(DOWN.read_text())
+    script.run(DOWN.read_text())

@@ -33,7 +33,7 @@ Create Date: 2026-12-06
 
 from pathlib import Path
 
-from alembic import op
+from migrations import script
 
 revision = "0023"
 down_revision = "0022"
@@ -47,8 +47,8 @@ DOWN = Path(__file__).with_suffix(".down.sql")
 
 
 def upgrade() -> None:
-    op.execute(UP.read_text())
+    script.run(UP.read_text())
 
 
 def downgrade() -> None:
-    op.execute(DOWN.read_text())
+    script.run(DOWN.read_text())

@@ -29,7 +29,7 @@ Create Date: 2026-12-06
 
 from pathlib import Path
 
-from alembic import op
+from migrations import script
 
 revision = "0024"
 down_revision = "0023"
@@ -81,10 +81,10 @@ ALTER TABLE api_token ADD CONSTRAINT ck_api_token_scope_known
 
 
 def upgrade() -> None:
-    op.execute(CREATE)
-    op.execute(UP.read_text())
+    script.run(CREATE)
+    script.run(UP.read_text())
 
 
 def downgrade() -> None:
-    op.execute(DROP)
-    op.execute(DOWN.read_text())
+    script.run(DROP)
+    script.run(DOWN.read_text())

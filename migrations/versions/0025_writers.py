@@ -40,8 +40,7 @@ Create Date: 2026-12-06
 
 from pathlib import Path
 
-from alembic import op
-
+from migrations import script
 from migrations.guard import found, refuse_losing
 
 revision = "0025"
@@ -81,11 +80,11 @@ DOWN = Path(__file__).with_suffix(".down.sql")
 
 
 def upgrade() -> None:
-    op.execute(COLUMNS)
-    op.execute(UP.read_text())
+    script.run(COLUMNS)
+    script.run(UP.read_text())
 
 
 def downgrade() -> None:
     refuse_losing("0025", found(LOST))
-    op.execute(DOWN.read_text())
-    op.execute(DROP_COLUMNS)
+    script.run(DOWN.read_text())
+    script.run(DROP_COLUMNS)
