@@ -28,6 +28,9 @@ def upgrade_on(connection: Connection) -> None:
             )
             return
         if has_citus(connection):
+            # One connection per worker for the whole run: a migration that reads or writes
+            # the distributed tables (a downgrade's guard counts what it would lose) and then
+            # drops or creates a distributed function is refused otherwise.
             connection.exec_driver_sql("SET LOCAL citus.multi_shard_modify_mode = 'sequential'")
         context.run_migrations()
         # On Citus, distribute what is not distributed yet (app/distribution.py); nothing
