@@ -15,6 +15,12 @@ from app.main import alembic_config
 from migrations.guard import MigrationRefused
 from tests.helpers import has_citus
 
+# Why a test of a revision before 0020 is skipped on Citus.
+BEFORE_0020 = (
+    "about a revision before 0020, which cannot run on Citus: every migration ends by"
+    " distributing, and Citus keeps no key without instance_id, which those revisions have"
+)
+
 
 def config_for(url: str) -> Config:
     config = alembic_config()
@@ -40,6 +46,8 @@ def constraints_of_api_token(url: str) -> set[str]:
 def test_0019_refuses_undelimited_prefixes_naming_the_tokens_until_they_are_rescoped(
     scratch_database: str,
 ) -> None:
+    if has_citus(scratch_database):
+        pytest.skip(BEFORE_0020)
     config = config_for(scratch_database)
     command.upgrade(config, "0018")
     with psycopg.connect(scratch_database, autocommit=True) as conn:
@@ -158,6 +166,8 @@ def test_a_downgrade_that_would_lose_data_or_widen_access_refuses_unless_forced(
     scratch_database: str, case: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     loss = LOSSES[case]
+    if loss.target < "0020" and has_citus(scratch_database):
+        pytest.skip(BEFORE_0020)
     config = config_for(scratch_database)
     command.upgrade(config, "head")
     head = revision_of(scratch_database)
@@ -187,10 +197,10 @@ def test_a_downgrade_that_would_lose_data_or_widen_access_refuses_unless_forced(
 def test_a_downgrade_is_forced_from_alembic_s_command_line(scratch_database: str) -> None:
     config = config_for(scratch_database)
     command.upgrade(config, "head")
-    run_sql(scratch_database, LOSSES["0015 widens a prefixed token"].setup)
+    run_sql(scratch_database, LOSSES["0025 drops the writers"].setup)
     config.cmd_opts = argparse.Namespace(x=["force=true"])
-    command.downgrade(config, "0014")
-    assert revision_of(scratch_database) == "0014"
+    command.downgrade(config, "0024")
+    assert revision_of(scratch_database) == "0024"
 
 
 def test_on_citus_the_downgrade_of_0020_refuses_and_changes_nothing(scratch_database: str) -> None:

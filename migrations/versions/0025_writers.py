@@ -50,13 +50,15 @@ depends_on = None
 
 NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$"
 
+# A column and its CHECK in two statements: Citus adds a constraint to a distributed table
+# only in an ALTER TABLE of its own.
 COLUMNS = f"""
-ALTER TABLE workflow_step_record ADD COLUMN updated_by text,
-    ADD CONSTRAINT ck_workflow_step_record_updated_by_format
-        CHECK (updated_by ~ '{NAME_PATTERN}');
-ALTER TABLE workflow_step_attempt ADD COLUMN reported_by text,
-    ADD CONSTRAINT ck_workflow_step_attempt_reported_by_format
-        CHECK (reported_by ~ '{NAME_PATTERN}');
+ALTER TABLE workflow_step_record ADD COLUMN updated_by text;
+ALTER TABLE workflow_step_record ADD CONSTRAINT ck_workflow_step_record_updated_by_format
+    CHECK (updated_by ~ '{NAME_PATTERN}');
+ALTER TABLE workflow_step_attempt ADD COLUMN reported_by text;
+ALTER TABLE workflow_step_attempt ADD CONSTRAINT ck_workflow_step_attempt_reported_by_format
+    CHECK (reported_by ~ '{NAME_PATTERN}');
 """
 DROP_COLUMNS = """
 ALTER TABLE workflow_step_attempt DROP COLUMN reported_by;
