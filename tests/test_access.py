@@ -20,6 +20,7 @@ from tests.helpers import (
     access_loaded,
     eventually,
     free_port,
+    has_citus,
     logged_server,
     migrated_database,
     start_server,
@@ -377,6 +378,11 @@ def test_a_token_inserted_by_hand_also_closes_anonymous_access(server: tuple[str
 def test_upgrading_a_database_with_tokens_keeps_anonymous_access_closed(
     scratch_database: str,
 ) -> None:
+    if has_citus(scratch_database):
+        pytest.skip(
+            "starts at revision 0002, which cannot run on Citus: every migration ends by"
+            " distributing, and the revisions before 0020 have keys without instance_id"
+        )
     config = alembic_config()
     config.attributes["database_url"] = scratch_database
     command.upgrade(config, "0002")
