@@ -159,9 +159,12 @@ def wait_for(what: str, probe: Callable[[], T | None], seconds: float = 15) -> T
 
 def lock_waits(watcher: psycopg.Connection[Any]) -> int:
     """Sessions of the watcher's database waiting for a lock (the service's, through PgBouncer
-    too): how a test knows that a request it sent is now blocked on a row it holds."""
+    too): how a test knows that a request it sent is now blocked on a row it holds. On Citus
+    the sessions of every node: a row's lock is waited for on the worker that holds it."""
+    citus = watcher.execute("SELECT 1 FROM pg_extension WHERE extname = 'citus'").fetchone()
+    view = "pg_stat_activity" if citus is None else "citus_stat_activity"
     row = watcher.execute(
-        "SELECT count(*) FROM pg_stat_activity"
+        f"SELECT count(*) FROM {view}"
         " WHERE datname = current_database() AND wait_event_type = 'Lock'"
     ).fetchone()
     assert row is not None

@@ -132,10 +132,12 @@ def test_sigterm_finishes_in_flight_requests(own_database: str, workers: str) ->
     try:
         assert httpx.post(f"{url}/v1/instances/{key}/steps/a/start").status_code == 201
         with psycopg.connect(own_database) as blocker:
+            # Naming the instance's id, so that on Citus the lock is taken on its worker.
             blocker.execute(
                 "SELECT 1 FROM workflow_step_record r JOIN process_instance p"
-                " ON p.id = r.instance_id WHERE p.instance_key = %s FOR UPDATE",
-                (key,),
+                " ON p.id = r.instance_id WHERE p.instance_key = %s"
+                " AND p.id = steprecord_instance_id(%s) AND r.instance_id = p.id FOR UPDATE",
+                (key, key),
             )
 
             def complete() -> None:
