@@ -50,10 +50,12 @@ def test_a_token_flooding_the_pool_gets_429_while_another_tokens_requests_go_on(
             steps = f"/v1/instances/{key}/steps/a"
             assert flood.post(f"{steps}/start", json={"attempt": 1}).status_code == 201
             with psycopg.connect(own_database) as holder, ThreadPoolExecutor(FLOOD) as threads:
-                holder.execute(
+                holder.execute(  # by the instance's id: Citus locks rows of one shard only
                     "SELECT r.id FROM workflow_step_record r JOIN process_instance p"
-                    " ON p.id = r.instance_id WHERE p.instance_key = %s FOR UPDATE OF r",
-                    (key,),
+                    " ON p.id = r.instance_id WHERE p.id = steprecord_instance_id(%s)"
+                    " AND r.instance_id = steprecord_instance_id(%s) AND p.instance_key = %s"
+                    " FOR UPDATE OF r",
+                    (key, key, key),
                 )
                 body = {"attempt": 1, "output": {"n": 1}}
                 sent: list[Future[httpx.Response]] = [
