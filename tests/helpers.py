@@ -442,6 +442,19 @@ def one_key_per_worker(url: str, citus: CitusCluster) -> list[str]:
     return [found[port] for port in ports]
 
 
+def node_of(url: str, key: str) -> str:
+    """The URL (in `url`'s database) of the server holding instance `key`'s rows, where the
+    record's triggers run and notify: `url` itself, or on Citus the instance's worker."""
+    workers = citus_workers(url)
+    if not workers:
+        return url
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(_NODE_OF, (key,)).fetchone()
+    assert row is not None
+    port = str(row[0])
+    return next(w for w in workers if psycopg.conninfo.conninfo_to_dict(w)["port"] == port)
+
+
 @contextmanager
 def citus_cluster(root: Path, bin_path: Path, workers: int = 2) -> Iterator[CitusCluster]:
     """Starts a coordinator and `workers` workers under `root` (the extension created in each

@@ -324,13 +324,20 @@ def unswept(quiet_database: str) -> Iterator[httpx.Client]:
 
 
 def expire(database_url: str, step: str) -> None:
-    """Move a lease into the past by hand (the database refuses nothing here)."""
-    with psycopg.connect(database_url) as conn:
-        conn.execute(
-            "UPDATE workflow_step_record SET lease_expires_at = now() - interval '1 minute'"
-            " WHERE step_slug = %s",
-            (step,),
-        )
+    """Move a lease into the past by hand (the database refuses nothing here), each instance's
+    in a transaction of its own: on Citus a transaction that writes on two workers commits in
+    two phases, which PostgreSQL refuses once the record's trigger has notified."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        instances = conn.execute(
+            "SELECT DISTINCT instance_id FROM workflow_step_record WHERE step_slug = %s", (step,)
+        ).fetchall()
+        assert instances, step
+        for (instance_id,) in instances:
+            conn.execute(
+                "UPDATE workflow_step_record SET lease_expires_at = now() - interval '1 minute'"
+                " WHERE instance_id = %s AND step_slug = %s",
+                (instance_id, step),
+            )
 
 
 def test_expired_leases_are_listed_until_swept(unswept: httpx.Client, quiet_database: str) -> None:
@@ -359,12 +366,13 @@ def test_a_sweep_skips_a_record_held_by_a_heartbeat_in_flight(
         psycopg.connect(quiet_database) as holder,
         psycopg.connect(quiet_database, autocommit=True) as sweeper,
     ):
-        holder.execute(
-            "UPDATE workflow_step_record SET lease_expires_at = now() + interval '10 minutes',"
-            " updated_at = now() WHERE step_slug = 'racing'"
-        )
         row = sweeper.execute("SELECT steprecord_instance_id(%s)", (key,)).fetchone()
         assert row is not None
+        holder.execute(  # the instance's id: on Citus, a transaction on its worker alone
+            "UPDATE workflow_step_record SET lease_expires_at = now() + interval '10 minutes',"
+            " updated_at = now() WHERE instance_id = %s AND step_slug = 'racing'",
+            (row[0],),
+        )
         sweep = (leases.SWEEP_INSTANCE, {"instance_id": row[0]})
         assert sweeper.execute(*sweep).rowcount == 0
         holder.commit()

@@ -3,15 +3,13 @@ requests wait briefly, then get 429 `token_busy` with `Retry-After`, while anoth
 requests go on (see docs/operations.md, Security)."""
 
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import psycopg
-import pytest
 
-from tests.helpers import eventually, lock_waits, problem, start_server, steprecord, stop
+from tests.helpers import eventually, lock_waits, node_of, problem, start_server, steprecord, stop
 from tests.test_faults import FreezableProxy, upstream
 
 # A pool of 4, so the default share is 2; statements may wait on a lock for long.
@@ -19,12 +17,6 @@ ENV = {"STEPRECORD_POOL_SIZE": "4", "STEPRECORD_STATEMENT_TIMEOUT": "60"}
 FLOOD = 12
 
 Watcher = psycopg.Connection[tuple[Any, ...]]
-
-
-@pytest.fixture
-def watcher(own_database: str) -> Iterator[Watcher]:
-    with psycopg.connect(own_database, autocommit=True) as conn:
-        yield conn
 
 
 def create_token(database_url: str, name: str) -> str:
@@ -38,22 +30,26 @@ def client(url: str, token: str) -> httpx.Client:
 
 
 def test_a_token_flooding_the_pool_gets_429_while_another_tokens_requests_go_on(
-    own_database: str, watcher: Watcher
+    own_database: str,
 ) -> None:
     suffix = uuid.uuid4().hex[:8]
     flooding = create_token(own_database, f"flood-{suffix}")
     calm = create_token(own_database, f"calm-{suffix}")
     key, other_key = f"flood-{suffix}", f"calm-{suffix}"
+    # The blocked writes wait where the record is: the server, or on Citus its worker.
+    watcher: Watcher = psycopg.connect(node_of(own_database, key), autocommit=True)
     url, proc = start_server(own_database, env=ENV)
     try:
         with client(url, flooding) as flood, client(url, calm) as other:
             steps = f"/v1/instances/{key}/steps/a"
             assert flood.post(f"{steps}/start", json={"attempt": 1}).status_code == 201
             with psycopg.connect(own_database) as holder, ThreadPoolExecutor(FLOOD) as threads:
-                holder.execute(
+                holder.execute(  # by the instance's id: Citus locks rows of one shard only
                     "SELECT r.id FROM workflow_step_record r JOIN process_instance p"
-                    " ON p.id = r.instance_id WHERE p.instance_key = %s FOR UPDATE OF r",
-                    (key,),
+                    " ON p.id = r.instance_id WHERE p.id = steprecord_instance_id(%s)"
+                    " AND r.instance_id = steprecord_instance_id(%s) AND p.instance_key = %s"
+                    " FOR UPDATE OF r",
+                    (key, key, key),
                 )
                 body = {"attempt": 1, "output": {"n": 1}}
                 sent: list[Future[httpx.Response]] = [
@@ -84,6 +80,7 @@ def test_a_token_flooding_the_pool_gets_429_while_another_tokens_requests_go_on(
             assert answers == [200, 200] + [429] * (FLOOD - 2)
             assert flood.get(steps).json()["status"] == "completed"
     finally:
+        watcher.close()
         stop(proc)
 
 

@@ -34,6 +34,7 @@ from tests.helpers import (
     eventually,
     metric,
     migrated_database,
+    node_of,
     post,
     problem,
     start_server,
@@ -395,10 +396,12 @@ Conn = psycopg.Connection[tuple[Any, ...]]
 
 
 def new_instance(conn: Conn, key: str) -> int:
+    # The id as a value, not an INSERT ... SELECT: Citus routes such an INSERT to the
+    # instance's worker alone, so the transaction writing the instance's records stays on it.
     row = conn.execute(
         "INSERT INTO process_instance (id, instance_key)"
-        " SELECT steprecord_instance_id(k), k FROM (VALUES (%s)) AS v(k) RETURNING id",
-        (key,),
+        " VALUES (steprecord_instance_id(%s), %s) RETURNING id",
+        (key, key),
     ).fetchone()
     assert row is not None
     return int(row[0])
@@ -413,17 +416,26 @@ def declare(conn: Conn, instance_id: int, slug: str, ordinal: int = 0) -> None:
 
 
 def test_the_notification_is_sent_on_commit_only(database_url: str) -> None:
+    # The record's trigger notifies on the node holding the record: the server, or on Citus
+    # the instance's worker. Both instances are on the same node, the one listened to.
+    node = node_of(database_url, "committed")
+    rolled_back = next(
+        key for n in range(100) if node_of(database_url, key := f"rolled-back-{n}") == node
+    )
     with (
-        psycopg.connect(database_url, autocommit=True) as listener,
+        psycopg.connect(node, autocommit=True) as listener,
         psycopg.connect(database_url) as writer,
     ):
         listener.execute("LISTEN steprecord_changes")
-        declare(writer, new_instance(writer, "rolled-back"), "a")
+        declare(writer, new_instance(writer, rolled_back), "a")
         writer.rollback()
         committed = new_instance(writer, "committed")
         declare(writer, committed, "a")
         declare(writer, committed, "b", 1)
-        writer.execute("UPDATE workflow_step_record SET updated_at = now()")
+        writer.execute(
+            "UPDATE workflow_step_record SET updated_at = now() WHERE instance_id = %s",
+            (committed,),
+        )
         writer.commit()
         # Delivered in commit order: a notification of the rolled-back write would come first.
         got = [n.payload for n in listener.notifies(timeout=WAIT, stop_after=1)]
@@ -454,7 +466,10 @@ def test_a_change_committed_behind_an_older_open_transaction_is_not_lost(
     stream = open_stream()
     stream.next_event()
     with psycopg.connect(database_url) as older:
-        older.execute("UPDATE workflow_step_record SET updated_at = now() WHERE step_slug = 'old'")
+        older.execute(
+            "UPDATE workflow_step_record SET updated_at = now()"
+            " WHERE instance_id = steprecord_instance_id('order-1') AND step_slug = 'old'"
+        )
         post(client, "declare", step="new")  # a later transaction, committed first
         older.commit()
     got = stream.events(2)
@@ -583,7 +598,9 @@ def test_streams_at_different_positions_sharing_a_read_each_get_what_they_have_n
             assert slugs_of(first) == ["a", "b"]
             with psycopg.connect(sharing_database) as conn:
                 conn.execute(
-                    "UPDATE workflow_step_record SET updated_at = now() WHERE step_slug = 'a'"
+                    "UPDATE workflow_step_record SET updated_at = now()"
+                    " WHERE instance_id = %s AND step_slug = 'a'",
+                    (instance_id,),
                 )
                 declare(conn, instance_id, "c", 2)
             await held.hold()

@@ -90,14 +90,21 @@ async def step_stats(
     return items
 
 
+# The window's failed attempts counted by hour first, then laid over every hour: on Citus
+# the count runs on each shard and the coordinator adds them up, whereas attempts joined to
+# the hours in the join's condition, with a key prefix's subquery there, is a correlated
+# subquery that Citus refuses.
 FAILURES_PER_HOUR = """
-SELECT h.hour, count(a.*) FILTER (WHERE a.status = 'failed') AS failed
+SELECT h.hour, coalesce(f.failed, 0) AS failed
 FROM generate_series(date_trunc('hour', %(since)s::timestamptz),
                      date_trunc('hour', %(until)s::timestamptz), interval '1 hour') h(hour)
-LEFT JOIN workflow_step_attempt a
-       ON a.started_at >= h.hour AND a.started_at < h.hour + interval '1 hour'
+LEFT JOIN (
+    SELECT date_trunc('hour', a.started_at) AS hour, count(*) AS failed
+    FROM workflow_step_attempt a
+    WHERE a.status = 'failed'
       AND a.started_at >= %(since)s AND a.started_at < %(until)s{within}
-GROUP BY h.hour
+    GROUP BY 1
+) f ON f.hour = h.hour
 ORDER BY h.hour
 """
 
