@@ -33,9 +33,12 @@ see docs/operations.md):
    call was sent to), `steprecord_reopen` (an operator's repair) and
    `steprecord_stream_changes` (a stream's read, whose snapshot and transaction ids must be
    that worker's).
-5. The judge's functions plan each statement with its values (`force_custom_plan`): Citus
-   routes a statement that joins distributed tables to one shard only when it sees the
-   distribution column's value, which a generic plan hides behind a parameter.
+5. The judge's functions whose statements join distributed tables plan each statement with
+   its values (`force_custom_plan`): Citus routes such a statement to one shard only when it
+   sees the distribution column's value, which a generic plan hides behind a parameter.
+   `steprecord_apply_event` is not among them: each of its statements reads or writes one
+   table by its distribution column, which Citus routes with a generic plan, kept per
+   connection as on one node.
 """
 
 from sqlalchemy import Connection
@@ -63,7 +66,6 @@ STREAM_FUNCTION = "steprecord_stream_changes(bigint, text, xid8, bigint, integer
 # An operator's reopen (app/sql/reopen.sql), delegated the same way: one event on one worker.
 REOPEN_FUNCTION = "steprecord_reopen(bigint, text, text, integer, text, text)"
 CUSTOM_PLANS = (
-    DISTRIBUTED_FUNCTION,
     REOPEN_FUNCTION,
     "steprecord_apply_events",
     "steprecord_heartbeat",
