@@ -28,9 +28,9 @@ see docs/operations.md):
 4. `steprecord_apply_event` becomes a distributed function whose distribution argument is
    `p_instance_id`, co-located with `process_instance`: the coordinator sends the whole call
    to the worker that holds the instance; so do `steprecord_apply_events_on_shard` (the
-   general statement for the events of one shard group, run on that group's shards: a
-   batch's group, or the one-event judge's new record or late report, on the worker that
-   call was sent to), `steprecord_reopen` (an operator's repair) and
+   general statement for events whose instances live on one worker, run on their shard
+   groups' shards: a batch's events of one worker, or the one-event judge's new record or
+   late report, on the worker that call was sent to), `steprecord_reopen` (an operator's repair) and
    `steprecord_stream_changes` (a stream's read, whose snapshot and transaction ids must be
    that worker's).
 5. The judge's functions whose statements join distributed tables plan each statement with
@@ -55,7 +55,7 @@ DISTRIBUTED_FUNCTION = (
     "steprecord_apply_event(bigint, integer, text, text, text, bigint, timestamptz,"
     " timestamptz, text, text, text, text, bigint, integer, text, text)"
 )
-# The general statement on one shard group's shards, delegated the same way.
+# The general statement on one worker's shards, delegated the same way.
 SHARD_FUNCTION = (
     "steprecord_apply_events_on_shard(bigint, integer[], text[], text[], text[], bigint[],"
     " timestamptz[], timestamptz[], text[], text[], text[], text[], bigint[], integer[], text,"
