@@ -28,14 +28,17 @@ see docs/operations.md):
 4. `steprecord_apply_event` becomes a distributed function whose distribution argument is
    `p_instance_id`, co-located with `process_instance`: the coordinator sends the whole call
    to the worker that holds the instance; so do `steprecord_apply_events_on_shard` (the
-   general statement for the events of one shard group, run on that group's shards: a
-   batch's group, or the one-event judge's new record or late report, on the worker that
-   call was sent to), `steprecord_reopen` (an operator's repair) and
-   `steprecord_stream_changes` (a stream's read, whose snapshot and transaction ids must be
-   that worker's).
-5. The judge's functions plan each statement with its values (`force_custom_plan`): Citus
-   routes a statement that joins distributed tables to one shard only when it sees the
-   distribution column's value, which a generic plan hides behind a parameter.
+   general statement for events whose instances live on one worker, run on their shard
+   groups' shards: a batch's events of one worker, or the one-event judge's new record or
+   late report, on the worker that call was sent to), `steprecord_reopen` (an operator's
+   repair) and `steprecord_stream_changes` (a stream's read, whose snapshot and transaction
+   ids must be that worker's).
+5. The judge's functions whose statements join distributed tables plan each statement with
+   its values (`force_custom_plan`): Citus routes such a statement to one shard only when it
+   sees the distribution column's value, which a generic plan hides behind a parameter.
+   `steprecord_apply_event` is not among them: each of its statements reads or writes one
+   table by its distribution column, which Citus routes with a generic plan, kept per
+   connection as on one node.
 """
 
 from sqlalchemy import Connection
@@ -51,7 +54,7 @@ DISTRIBUTED_TABLES = (
 # The functions delegated to the worker that holds the instance (4. above), by name: the
 # revision the database is at decides their arguments (a downgrade creates them again, as they
 # were), and each is delegated once it is there and takes `p_instance_id`. The one-event
-# judge; the general statement on one shard group's shards; an operator's reopen
+# judge; the general statement on one worker's shards; an operator's reopen
 # (app/sql/reopen.sql); a stream's read, whose snapshot and transaction ids are the worker's.
 DELEGATED_FUNCTIONS = (
     "steprecord_apply_event",
@@ -60,7 +63,6 @@ DELEGATED_FUNCTIONS = (
     "steprecord_stream_changes",
 )
 CUSTOM_PLANS = (
-    "steprecord_apply_event",
     "steprecord_reopen",
     "steprecord_apply_events",
     "steprecord_heartbeat",

@@ -319,9 +319,9 @@ def batch_responses() -> dict[int | str, dict[str, Any]]:
         200: {
             "model": BatchResponse,
             "description": "One result per event, in request order. On a Citus cluster the"
-            " events are judged per shard group, each group on its own worker: the events of a"
-            " group whose worker cannot be reached each get a 503 problem `unavailable` (retry"
-            " those), and the other groups' events are judged as usual",
+            " events are judged per worker, each worker's events in one transaction there: the"
+            " events of a worker that cannot be reached each get a 503 problem `unavailable`"
+            " (retry those), and the other workers' events are judged as usual",
         },
         400: _problem("Body is not JSON"),
         413: _problem("Body over 16 MiB"),

@@ -1,7 +1,7 @@
 """The judge on a Citus cluster (the `citus` fixture), through the service: a batch is judged
-per shard group on the workers and answers as one node does, in request order; a new record
-and a late report go through the delegated one-event judge; racing events converge; and a
-refusal raised on a worker cites its constraint as on one node."""
+per worker, a statement per shard group, and answers as one node does, in request order; a
+new record and a late report go through the delegated one-event judge; racing events
+converge; and a refusal raised on a worker cites its constraint as on one node."""
 
 import threading
 import uuid
@@ -257,3 +257,55 @@ def test_a_batch_group_whose_worker_is_down_answers_503_and_the_other_groups_com
         seconds=60,
     )
     assert [x["record"]["ordinal"] for x in again.json()["results"]] == [0, 1]
+
+
+# The worker holding a key's shard group, and the group.
+_PLACEMENT = """
+SELECT pl.groupid, pl.shardid FROM pg_dist_placement pl
+WHERE pl.shardid = get_shard_id_for_distribution_column(
+    'process_instance', steprecord_instance_id(%s))
+"""
+
+
+def test_the_shard_function_judges_one_workers_shard_groups_and_refuses_another_workers(
+    cluster_database: str,
+) -> None:
+    """A batch's call for one worker holds events of several of its shard groups: each group's
+    statement runs on that worker, in the call's transaction. An event of another worker's
+    instance is refused with what to do, and nothing of the call is written."""
+    # Instance keys by worker, one per shard group, as many as 200 random keys find.
+    keys: dict[int, dict[int, str]] = {}
+    with psycopg.connect(cluster_database, autocommit=True) as conn:
+        for n in range(200):
+            key = f"grp-{uuid.uuid4().hex[:8]}-{n}"
+            row = conn.execute(_PLACEMENT, (key,)).fetchone()
+            assert row is not None
+            keys.setdefault(int(row[0]), {}).setdefault(int(row[1]), key)
+        first, second = (list(by_shard.values()) for _, by_shard in sorted(keys.items()))
+        assert len(first) >= 4  # four shard groups of one worker
+
+        def call(batch: list[str]) -> list[tuple[Any, ...]]:
+            n = len(batch)
+            with psycopg.RawCursor(conn) as cur:
+                cur.execute(
+                    "SELECT i, outcome FROM steprecord_apply_events_on_shard("
+                    " steprecord_instance_id(($2::text[])[1]), $1::int[], $2::text[],"
+                    " $3::text[], $4::text[], $5::bigint[], $6::timestamptz[],"
+                    " $7::timestamptz[], $8::text[], $9::text[], $10::text[], $11::text[],"
+                    " $12::bigint[], $13::int[], NULL, 'ci') ORDER BY i",
+                    [list(range(n)), batch, ["s"] * n, ["start"] * n, [1] * n, *([[None] * n] * 8)],
+                )
+                return cur.fetchall()
+
+        assert call(first[:3]) == [(0, "created"), (1, "created"), (2, "created")]
+        assert call(first[:3]) == [(0, "replay"), (1, "replay"), (2, "replay")]
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState) as refused:
+            call([first[3], second[0]])
+        assert "is not on this node" in str(refused.value)
+        assert "outside a transaction block" in str(refused.value.diag.message_hint)
+        written = conn.execute(
+            "SELECT count(*) FROM process_instance WHERE id = steprecord_instance_id(%s)"
+            " OR id = steprecord_instance_id(%s)",
+            (first[3], second[0]),
+        ).fetchone()
+        assert written == (0,)

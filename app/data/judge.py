@@ -48,9 +48,10 @@ APPLY_EVENT = (
     " $10::text, $11::text, $12::bigint, $13::int, $14::text, $15::text)"
 )
 
-# On Citus, a batch's events of one shard group (app/sql/apply_events_on_shard.sql): the same
-# parameters as APPLY_EVENTS, and first the id of the group's first instance, derived in the
-# statement, by which the coordinator sends the whole call to the worker that holds the group.
+# On Citus, a batch's events whose instances live on one worker
+# (app/sql/apply_events_on_shard.sql): the same parameters as APPLY_EVENTS, and first the id of
+# the first event's instance, derived in the statement, by which the coordinator sends the
+# whole call to that worker.
 APPLY_EVENTS_ON_SHARD = (
     "SELECT * FROM steprecord_apply_events_on_shard(steprecord_instance_id(($2::text[])[1]),"
     " $1::int[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::timestamptz[],"
@@ -58,10 +59,12 @@ APPLY_EVENTS_ON_SHARD = (
     " $13::int[], $14::text, $15::text)"
 )
 
-# On Citus, the shard group of each instance key, in order: one statement for a batch.
-SHARD_GROUPS = (
-    "SELECT get_shard_id_for_distribution_column('process_instance', steprecord_instance_id(k))"
-    " AS shard FROM unnest(%s::text[]) WITH ORDINALITY AS u(k, n) ORDER BY n"
+# On Citus, the node (its group in pg_dist_placement) holding each instance key's shards, in
+# order: one statement for a batch.
+NODE_GROUPS = (
+    "SELECT pl.groupid AS node FROM unnest(%s::text[]) WITH ORDINALITY AS u(k, n)"
+    " JOIN pg_dist_placement pl ON pl.shardid = get_shard_id_for_distribution_column("
+    "'process_instance', steprecord_instance_id(k)) ORDER BY n"
 )
 HAS_CITUS = "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') AS citus"
 
@@ -138,23 +141,23 @@ async def apply_events(
     share one request, so the attempts they start all keep its `trace_id`, and the records
     they write its `writer`.
 
-    On Citus each such statement is one per shard group (`_shard_groups`), each its own
-    transaction on the one worker that holds the group: a group whose worker cannot be
-    reached answers each of its events 503 (`DatabaseUnavailable`), and the others commit.
+    On Citus each such statement is one per worker (`_nodes`), each its own transaction on
+    the worker that holds its events' instances: a worker that cannot be reached answers
+    each of its events 503 (`DatabaseUnavailable`), and the others commit.
     """
     outcomes: list[Result | Exception | None] = [None] * len(events)
-    shards = await _shard_groups(conn, events)
+    nodes = await _nodes(conn, events)
     segment: list[int] = []
     seen: set[tuple[str, str]] = set()
     for index, event in enumerate(events):
         key = (event.instance_key, event.step_slug)
         if key in seen:
-            await _apply_segment(conn, events, segment, outcomes, trace_id, writer, shards)
+            await _apply_segment(conn, events, segment, outcomes, trace_id, writer, nodes)
             segment, seen = [], set()
         segment.append(index)
         seen.add(key)
     if segment:
-        await _apply_segment(conn, events, segment, outcomes, trace_id, writer, shards)
+        await _apply_segment(conn, events, segment, outcomes, trace_id, writer, nodes)
     return [await _final(conn, events[i], o) for i, o in enumerate(outcomes)]
 
 
@@ -162,8 +165,9 @@ async def apply_events(
 _CITUS: WeakKeyDictionary[AsyncConn, bool] = WeakKeyDictionary()
 
 
-async def _shard_groups(conn: AsyncConn, events: Sequence[Event]) -> list[int] | None:
-    """Each event's shard group on Citus (one statement for the batch); None on one node."""
+async def _nodes(conn: AsyncConn, events: Sequence[Event]) -> list[int] | None:
+    """The node holding each event's instance on Citus (one statement for the batch); None on
+    one node."""
     citus = _CITUS.get(conn)
     if citus is None:
         row = await (await conn.execute(HAS_CITUS)).fetchone()
@@ -171,8 +175,8 @@ async def _shard_groups(conn: AsyncConn, events: Sequence[Event]) -> list[int] |
     if not citus or not events:
         return None
     keys = [event.instance_key for event in events]
-    cur = await conn.execute(SHARD_GROUPS, (keys,), prepare=False)
-    return [int(row["shard"]) for row in await cur.fetchall()]
+    cur = await conn.execute(NODE_GROUPS, (keys,), prepare=False)
+    return [int(row["node"]) for row in await cur.fetchall()]
 
 
 async def _final(
@@ -188,17 +192,17 @@ async def _apply_segment(
     outcomes: list[Result | Exception | None],
     trace_id: str | None,
     writer: str,
-    shards: list[int] | None,
+    nodes: list[int] | None,
 ) -> None:
     """Apply events of distinct steps: they cannot affect each other, so heartbeats and the
     other events go in one statement each (a heartbeat starts no attempt: no trace id); on
-    Citus, one statement each per shard group, in the order the groups first appear."""
-    if shards is None:
+    Citus, one statement each per worker, in the order the workers first appear."""
+    if nodes is None:
         await _apply_group(conn, events, indexes, outcomes, trace_id, writer, APPLY_EVENTS)
         return
     groups: dict[int, list[int]] = {}
     for index in indexes:
-        groups.setdefault(shards[index], []).append(index)
+        groups.setdefault(nodes[index], []).append(index)
     for group in groups.values():
         try:
             await _apply_group(

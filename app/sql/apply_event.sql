@@ -17,7 +17,8 @@
 -- Answer: the row a one-element call of steprecord_apply_events answers. The general
 -- statement holds every step any event may need, and its plan costs more to run than one
 -- event on an existing record needs; so:
---   1. find the record, lock it, and judge the event (judge_outcome);
+--   1. find the record, lock it, and judge the event (judge_outcome); the record counts only
+--      when its instance is the key's;
 --   2. when the record exists and the event writes nothing (a replay or a refusal), answer
 --      the record as it stands;
 --   3. when the event applies to the record, write it: the update of the general
@@ -27,6 +28,12 @@
 --      shards (steprecord_apply_events_on_shard: on Citus, on this worker, in this call).
 -- The record's row lock taken in 1 is held until the transaction ends, so the judgement of 1
 -- still holds when 3 writes, and 4 judges the record 1 judged as 1 did.
+--
+-- Each statement of 1-3 reads or writes one table by its distribution column named once
+-- (`instance_id = p_instance_id`, `id = p_instance_id`), never a join: on Citus such a
+-- statement is a "fast path" one, which keeps one generic plan per connection, and on the
+-- worker its plan on the local shard is kept too (plan_cache_mode = force_generic_plan, as
+-- on one node), instead of being planned again, twice, on every call.
 --
 -- steprecord.trace_id = '', restored when the call returns, and set first (as in
 -- apply_events.sql): the attempt an update of 3 starts keeps this call's trace id.
@@ -56,7 +63,8 @@ BEGIN
     PERFORM set_config('steprecord.trace_id', coalesce(p_trace_id, ''), true);
 
     -- 1. The record, locked, and the event judged against its newest version, with the
-    --    attempt and start time an update writes.
+    --    attempt and start time an update writes; then its instance's key, when there is a
+    --    record (an id that is not its key's finds no record: 4 judges the event by its key).
     SELECT judge_outcome(p_kind, p_attempt, p_started_at, v_now, p_output::jsonb,
                                 p_external_output_url, p_error_code, p_error_message,
                                 r.attempt_count, r.status, r.started_at, r.output,
@@ -71,10 +79,13 @@ BEGIN
            r.external_output_url, r.started_at, r.completed_at, r.error_code, r.error_message,
            r.created_at, r.updated_at, r.updated_by, r.lease_expires_at
     INTO judged
-    FROM process_instance p
-    JOIN workflow_step_record r ON r.instance_id = p.id AND r.step_slug = p_step_slug
-    WHERE p.id = p_instance_id AND p.instance_key = p_instance_key
-    FOR UPDATE OF r;
+    FROM workflow_step_record r
+    WHERE r.instance_id = p_instance_id AND r.step_slug = p_step_slug
+    FOR UPDATE;
+    IF FOUND THEN
+        PERFORM FROM process_instance p
+        WHERE p.id = p_instance_id AND p.instance_key = p_instance_key;
+    END IF;
 
     IF NOT FOUND OR (judged.outcome = 'stale_attempt' AND p_kind IN ('complete', 'fail')) THEN
         -- 4. The event as a one-element call of the general statement, on this instance's
@@ -88,29 +99,25 @@ BEGIN
     ELSIF judged.outcome = 'applied' THEN
         -- 3. Applied: the event replaces the record's whole state, as `upd` does.
         RETURN QUERY
-        WITH upd AS (
-            UPDATE workflow_step_record r SET
-                status = judge_event_status(p_kind),
-                attempt_count = judged.new_attempt,
-                started_at = judged.new_started_at,
-                completed_at = judge_event_completed_at(p_kind, p_completed_at, v_now,
-                                                             judged.new_started_at),
-                output = p_output::jsonb,
-                external_output_url = p_external_output_url,
-                error_code = p_error_code,
-                error_message = p_error_message,
-                lease_expires_at = judge_lease_expires_at(v_now, p_lease_seconds),
-                updated_at = v_now,
-                updated_by = p_reported_by
-            WHERE r.instance_id = p_instance_id AND r.id = judged.id
-            RETURNING r.*
-        )
-        SELECT p_i, 'applied'::text, false,
-               upd.id, upd.step_slug, upd.ordinal, upd.status, upd.attempt_count,
-               upd.output::text AS output, upd.external_output_url, upd.started_at,
-               upd.completed_at, upd.lease_expires_at, upd.error_code,
-               upd.error_message, upd.created_at, upd.updated_at, upd.updated_by
-        FROM upd;
+        UPDATE workflow_step_record r SET
+            status = judge_event_status(p_kind),
+            attempt_count = judged.new_attempt,
+            started_at = judged.new_started_at,
+            completed_at = judge_event_completed_at(p_kind, p_completed_at, v_now,
+                                                         judged.new_started_at),
+            output = p_output::jsonb,
+            external_output_url = p_external_output_url,
+            error_code = p_error_code,
+            error_message = p_error_message,
+            lease_expires_at = judge_lease_expires_at(v_now, p_lease_seconds),
+            updated_at = v_now,
+            updated_by = p_reported_by
+        WHERE r.instance_id = p_instance_id AND r.id = judged.id
+        RETURNING p_i, 'applied'::text, false,
+                  r.id, r.step_slug, r.ordinal, r.status, r.attempt_count,
+                  r.output::text, r.external_output_url, r.started_at,
+                  r.completed_at, r.lease_expires_at, r.error_code,
+                  r.error_message, r.created_at, r.updated_at, r.updated_by;
     ELSE
         -- 2. Judged without a write: the record as it stands.
         RETURN QUERY SELECT p_i, judged.outcome, false,

@@ -143,10 +143,15 @@ BEGIN
             why := 'id, instance_id, record_id, attempt and created_at never change';
         ELSIF TG_OP = 'UPDATE' AND OLD.status <> 'superseded' THEN
             why := 'a late report ends only a superseded attempt; a finished one never changes';
-        ELSIF NOT EXISTS (SELECT 1 FROM workflow_step_record r
-                          WHERE r.instance_id = NEW.instance_id AND r.id = NEW.record_id
-                            AND r.attempt_count > NEW.attempt) THEN
-            why := 'a late report is of an attempt older than its record''s';
+        ELSE
+            -- The record, one table by its distribution column and no subquery: on Citus a
+            -- "fast path" statement, which the judge's generic plans can route.
+            PERFORM FROM workflow_step_record r
+            WHERE r.instance_id = NEW.instance_id AND r.id = NEW.record_id
+              AND r.attempt_count > NEW.attempt;
+            IF NOT FOUND THEN
+                why := 'a late report is of an attempt older than its record''s';
+            END IF;
         END IF;
     ELSIF pg_trigger_depth() < 2 THEN
         why := 'the history is written only through workflow_step_record';

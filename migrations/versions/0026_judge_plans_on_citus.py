@@ -1,0 +1,63 @@
+"""The judge on Citus without planning on every call.
+
+On a Citus worker the one-event judge spent about ten times one node's CPU on an existing
+record, and a new record five times: each call planned its statements again (the join of an
+instance and its record could be routed to its shard only with the values in the plan) and
+rewrote the general statement's text for the shard group before planning it again. Now:
+
+- `steprecord_apply_event` reads and writes one table per statement, each by its
+  distribution column named once: the record (locked), then its instance's key, then the
+  update. Citus keeps one generic plan of such a statement per connection, and on the worker
+  its plan on the local shard, as one node keeps its plans. The behaviour is unchanged: a
+  record counts only when its instance is the key's, as the join said, and the update
+  answers what the update in a WITH answered.
+- `steprecord_apply_events_on_shard` rewrites and prepares the general statement once per
+  connection and shard group (a prepared statement named by the group's shard and the
+  function's catalog version), planned once (`force_generic_plan`), and binds each call's
+  values as literals; on one node it is unchanged.
+
+- The history's guard (`workflow_step_attempt_guard`) checks a late report against its
+  record with one statement on the record's table instead of an EXISTS subquery, which Citus
+  cannot route under a generic plan (the judge's setting holds for the triggers its writes
+  fire).
+
+app/distribution.py no longer sets `force_custom_plan` on `steprecord_apply_event`: its
+statements need no values to be routed.
+
+Frozen in `0026_judge_plans_on_citus.up.sql` by
+`python -m app.sql freeze 0026_judge_plans_on_citus`; the downgrade restores the previous
+text (`.down.sql`) and, on Citus, the plan setting 0025's one-event judge needs there (its
+join is routed only when planned with its values: app/distribution.py no longer sets it).
+
+Revision ID: 0026
+Revises: 0025
+Create Date: 2026-12-06
+"""
+
+from pathlib import Path
+
+from alembic import op
+
+from migrations import script
+
+revision = "0026"
+down_revision = "0025"
+branch_labels = None
+depends_on = None
+
+# The frozen text this revision installs, and the text its downgrade restores, beside this
+# file and read by it alone.
+UP = Path(__file__).with_suffix(".up.sql")
+DOWN = Path(__file__).with_suffix(".down.sql")
+
+CITUS = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"
+
+
+def upgrade() -> None:
+    script.run(UP.read_text())
+
+
+def downgrade() -> None:
+    script.run(DOWN.read_text())
+    if op.get_bind().exec_driver_sql(CITUS).first() is not None:
+        op.execute("ALTER FUNCTION steprecord_apply_event SET plan_cache_mode = force_custom_plan")
