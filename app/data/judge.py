@@ -61,10 +61,13 @@ APPLY_EVENTS_ON_SHARD = (
 
 # On Citus, the node (its group in pg_dist_placement) holding each instance key's shards, in
 # order: one statement for a batch.
+# Each key's shard is found once (MATERIALIZED), then its placement by the shard's id: a join
+# on the function itself would call it for every pair of key and placement.
 NODE_GROUPS = (
-    "SELECT pl.groupid AS node FROM unnest(%s::text[]) WITH ORDINALITY AS u(k, n)"
-    " JOIN pg_dist_placement pl ON pl.shardid = get_shard_id_for_distribution_column("
-    "'process_instance', steprecord_instance_id(k)) ORDER BY n"
+    "WITH s AS MATERIALIZED (SELECT n, get_shard_id_for_distribution_column('process_instance',"
+    " steprecord_instance_id(k)) AS shard FROM unnest(%s::text[]) WITH ORDINALITY AS u(k, n))"
+    " SELECT pl.groupid AS node FROM s JOIN pg_dist_placement pl ON pl.shardid = s.shard"
+    " ORDER BY s.n"
 )
 HAS_CITUS = "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') AS citus"
 
