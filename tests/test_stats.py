@@ -123,6 +123,7 @@ def test_limit_keeps_the_steps_with_most_attempts(client: httpx.Client) -> None:
         ({"since": "2026-12-02"}, "since", "RFC 3339"),
         ({"until": "2026-12-02T10:00:00"}, "until", "RFC 3339"),
         ({"since": "2026-12-03T00:00:00Z", "until": "2026-12-02T00:00:00Z"}, "since", "before"),
+        ({"until": "0001-01-01T00:00:00Z"}, "since", "before"),
         ({"prefix": "bad prefix"}, "prefix", ""),
         ({"limit": "0"}, "limit", ""),
     ],
@@ -133,6 +134,14 @@ def test_bad_windows_are_refused(
     found = problem(client.get(STATS, params=params), 422, "validation_error")
     assert found["errors"][0]["field"] == field, found
     assert words in found["errors"][0]["message"], found
+
+
+def test_a_window_near_the_earliest_time_starts_there(client: httpx.Client) -> None:
+    response = client.get(STATS, params={"until": "0001-01-01T12:00:00Z"})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert (body["since"], body["until"]) == ("0001-01-01T00:00:00Z", "0001-01-01T12:00:00Z")
+    assert body["items"] == []
 
 
 # --- long-running steps ----------------------------------------------------------------

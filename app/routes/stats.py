@@ -21,6 +21,12 @@ from app.serialize import timestamp
 
 router = APIRouter(route_class=KnownQuery)
 DEFAULT_WINDOW = timedelta(hours=24)
+EARLIEST = datetime.min.replace(tzinfo=UTC)
+
+
+def default_since(until: datetime) -> datetime:
+    """`until` - 24 hours, or the earliest time there is when `until` is closer to it."""
+    return until - DEFAULT_WINDOW if until - EARLIEST >= DEFAULT_WINDOW else EARLIEST
 
 
 @router.get(
@@ -45,7 +51,7 @@ async def step_stats(
     limit: Limit = 100,
 ) -> Response:
     end = until or datetime.now(UTC)
-    start = since or end - DEFAULT_WINDOW
+    start = since or default_since(end)
     if start >= end:
         raise validation_problem(
             [{"field": "since", "message": "must be before until (the window is since to until)"}]
