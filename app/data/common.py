@@ -6,6 +6,7 @@ from typing import Any
 import psycopg
 
 from app.domain import ConstraintViolation
+from app.models import metadata
 from app.record import columns
 
 # The record's columns as the API shows them (the output as JSON text), from an alias `{r}`
@@ -31,8 +32,17 @@ def violation(exc: psycopg.errors.IntegrityError) -> ConstraintViolation:
 # shard's copy, named `<name>_<shard id>`. The name is in PostgreSQL's own message
 # (`... constraint "<name>"`); the guards' triggers (app/sql/record_guard.sql,
 # attempt_history.sql, repair_log.sql) begin theirs with the table they guard.
+# A name too long for its shard's suffix Citus shortens first: a prefix of it, then a hash
+# (`<prefix>_<8 hex digits>_<shard id>`); the key is the schema's one that begins so.
 _NAMED = re.compile(r'constraint "([^"]+)"')
 _SHARD_SUFFIX = re.compile(r"^((?:pk|uq|fk)_\w+?)_[0-9]+$")
+_SHORTENED = re.compile(r"^((?:pk|uq|fk)_\w+)_[0-9a-f]{8}_[0-9]+$")
+_KEYS = sorted(
+    str(constraint.name)
+    for table in metadata.tables.values()
+    for constraint in table.constraints
+    if isinstance(constraint.name, str) and constraint.name.startswith(("pk_", "uq_", "fk_"))
+)
 _GUARDS = (
     (re.compile(r"^workflow_step_record [0-9]+: "), "tr_workflow_step_record_transition"),
     (re.compile(r"^workflow_step_attempt: "), "tr_workflow_step_attempt_guard"),
@@ -47,6 +57,11 @@ def constraint_name(exc: psycopg.Error) -> str | None:
     message = exc.diag.message_primary or ""
     named = _NAMED.search(message)
     if named:
+        shortened = _SHORTENED.match(named[1])
+        if shortened:
+            key = next((key for key in _KEYS if key.startswith(shortened[1])), None)
+            if key is not None:
+                return key
         shard = _SHARD_SUFFIX.match(named[1])
         return shard[1] if shard else named[1]
     if isinstance(exc, psycopg.errors.CheckViolation):
