@@ -4,6 +4,7 @@ The history is written only by the record's triggers, so every write to the reco
 hand-written `UPDATE` — keeps it true (README, "Attempt history").
 """
 
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -12,6 +13,7 @@ import pytest
 from app.data import leases, reads
 from app.data.common import constraint_name
 from app.models import STATUSES
+from tests.helpers import has_citus, worker_of
 from tests.test_schema import BASE, T1, T2, Conn, insert, refused
 
 T3 = "2026-12-02T10:00:03Z"
@@ -351,6 +353,32 @@ LATE_FAIL = (
 )
 
 
+@pytest.fixture
+def judge_db(database_url: str, db: Conn) -> Iterator[Conn]:
+    """Where a test calls the judge inside its own transaction, as `db`: on Citus a connection
+    to the worker holding the instance 'run-1' (a call in a transaction block on the
+    coordinator is not sent to that worker, and a `SET LOCAL` there would not reach it)."""
+    if not has_citus(database_url):
+        yield db
+        return
+    with psycopg.connect(worker_of(database_url, "run-1")) as conn:
+        try:
+            yield conn
+        finally:
+            conn.rollback()
+
+
+@pytest.fixture
+def judged_instance(judge_db: Conn) -> int:
+    """The instance 'run-1', made through `judge_db`."""
+    row = judge_db.execute(
+        "INSERT INTO process_instance (id, instance_key)"
+        " VALUES (steprecord_instance_id('run-1'), 'run-1') RETURNING id"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def superseded(db: Conn, instance_id: int) -> int:
     """A record at attempt 2 whose attempt 1 is `superseded` in the history."""
     record_id = insert(db, instance_id, **BASE["running"])
@@ -367,21 +395,25 @@ def slug_of(db: Conn, record_id: int) -> str:
 
 
 def test_the_judge_turns_a_superseded_attempt_into_its_late_report(
-    db: Conn, instance_id: int
+    judge_db: Conn, judged_instance: int
 ) -> None:
-    record_id = superseded(db, instance_id)
-    (row,) = db.execute(LATE_FAIL, (slug_of(db, record_id), 1, T2)).fetchall()
+    record_id = superseded(judge_db, judged_instance)
+    (row,) = judge_db.execute(LATE_FAIL, (slug_of(judge_db, record_id), 1, T2)).fetchall()
     assert row == (True,)
-    assert [r[:2] + r[5:] for r in history(db, record_id)] == [
+    assert [r[:2] + r[5:] for r in history(judge_db, record_id)] == [
         (1, "failed", "Late"),
         (2, "running", None),
     ]
 
 
-def test_the_judge_inserts_the_late_report_of_a_missing_attempt(db: Conn, instance_id: int) -> None:
-    record_id = insert(db, instance_id, **{**BASE["running"], "attempt_count": 3})
-    assert db.execute(LATE_FAIL, (slug_of(db, record_id), 2, T2)).fetchall() == [(True,)]
-    assert [r[:2] for r in history(db, record_id)] == [(2, "failed"), (3, "running")]
+def test_the_judge_inserts_the_late_report_of_a_missing_attempt(
+    judge_db: Conn, judged_instance: int
+) -> None:
+    record_id = insert(judge_db, judged_instance, **{**BASE["running"], "attempt_count": 3})
+    assert judge_db.execute(LATE_FAIL, (slug_of(judge_db, record_id), 2, T2)).fetchall() == [
+        (True,)
+    ]
+    assert [r[:2] for r in history(judge_db, record_id)] == [(2, "failed"), (3, "running")]
 
 
 def test_a_hand_written_late_report_is_refused(db: Conn, instance_id: int) -> None:
@@ -421,26 +453,35 @@ def test_a_hand_written_late_report_is_refused(db: Conn, instance_id: int) -> No
     ids=["finished", "reopen", "current-attempt", "newer-attempt", "delete"],
 )
 def test_even_the_judge_s_writer_may_only_end_an_older_superseded_or_missing_attempt(
-    db: Conn, instance_id: int, sql: str
+    judge_db: Conn, judged_instance: int, sql: str
 ) -> None:
     """Attempt 1 failed (a late report), attempt 2 superseded, attempt 3 running."""
-    record_id = superseded(db, instance_id)
-    update(db, record_id, attempt_count=3, started_at=T2)
-    db.execute(LATE_FAIL, (slug_of(db, record_id), 1, T2))
-    assert [r[:2] for r in history(db, record_id)] == [
+    record_id = superseded(judge_db, judged_instance)
+    update(judge_db, record_id, attempt_count=3, started_at=T2)
+    judge_db.execute(LATE_FAIL, (slug_of(judge_db, record_id), 1, T2))
+    assert [r[:2] for r in history(judge_db, record_id)] == [
         (1, "failed"),
         (2, "superseded"),
         (3, "running"),
     ]
-    db.execute("SET LOCAL steprecord.writer = 'judge'")
-    refused(db, GUARD, sql, {"instance_id": instance_id, "record_id": record_id, "started_at": T2})
+    judge_db.execute("SET LOCAL steprecord.writer = 'judge'")
+    refused(
+        judge_db,
+        GUARD,
+        sql,
+        {"instance_id": judged_instance, "record_id": record_id, "started_at": T2},
+    )
 
 
-def test_a_late_report_never_changes_a_terminal_entry(db: Conn, instance_id: int) -> None:
-    record_id = superseded(db, instance_id)
-    slug = slug_of(db, record_id)
-    assert db.execute(LATE_FAIL, (slug, 1, T2)).fetchall() == [(True,)]
-    assert db.execute(LATE_FAIL, (slug, 1, T2)).fetchall() == [(True,)]  # the same report
+def test_a_late_report_never_changes_a_terminal_entry(judge_db: Conn, judged_instance: int) -> None:
+    record_id = superseded(judge_db, judged_instance)
+    slug = slug_of(judge_db, record_id)
+    assert judge_db.execute(LATE_FAIL, (slug, 1, T2)).fetchall() == [(True,)]
+    assert judge_db.execute(LATE_FAIL, (slug, 1, T2)).fetchall() == [(True,)]  # the same report
     other = LATE_FAIL.replace("'Late'", "'Other'")
-    assert db.execute(other, (slug, 1, T2)).fetchall() == [(False,)]
-    assert history(db, record_id)[0][:2] + history(db, record_id)[0][5:] == (1, "failed", "Late")
+    assert judge_db.execute(other, (slug, 1, T2)).fetchall() == [(False,)]
+    assert history(judge_db, record_id)[0][:2] + history(judge_db, record_id)[0][5:] == (
+        1,
+        "failed",
+        "Late",
+    )

@@ -92,7 +92,7 @@ HISTORY = """
 SELECT r.step_slug, a.attempt, a.status, a.started_at, a.completed_at, a.output::text,
        a.external_output_url, a.error_code, a.error_message
 FROM workflow_step_attempt a
-JOIN workflow_step_record r ON r.id = a.record_id
+JOIN workflow_step_record r ON r.instance_id = a.instance_id AND r.id = a.record_id
 JOIN process_instance p ON p.id = r.instance_id
 WHERE p.instance_key = %s
 ORDER BY r.step_slug, a.attempt
