@@ -108,7 +108,7 @@ def test_deleting_a_record_deletes_its_history(db: Conn, instance_id: int) -> No
     [
         "INSERT INTO workflow_step_attempt (instance_id, record_id, attempt, status, started_at)"
         " VALUES (%(instance_id)s, %(record_id)s, 9, 'running', now())",
-        "UPDATE workflow_step_attempt SET started_at = started_at - interval '1 s'",
+        "UPDATE workflow_step_attempt SET started_at = timestamptz '2026-12-02T10:00:00Z'",
         "UPDATE workflow_step_attempt SET status = 'failed', completed_at = now(),"
         " error_code = 'Fake'",
         "DELETE FROM workflow_step_attempt",
@@ -249,6 +249,11 @@ def test_the_backfill_gives_every_started_record_its_current_attempt(
 
     from app.main import alembic_config
 
+    if has_citus(scratch_database):
+        pytest.skip(
+            "the backfill ran at revision 0003, on one server: a schema that old cannot be"
+            " distributed on Citus (its keys lack the instance's id)"
+        )
     config = alembic_config()
     config.attributes["database_url"] = scratch_database
     command.upgrade(config, "0002")
