@@ -251,7 +251,7 @@ def test_the_backfill_gives_every_started_record_its_current_attempt(
 
     if has_citus(scratch_database):
         pytest.skip(
-            "the backfill ran at revision 0003, on one server: a schema that old cannot be"
+            "the backfill is revision 0003, for one server: a schema before 0020 cannot be"
             " distributed on Citus (its keys lack the instance's id)"
         )
     config = alembic_config()
