@@ -426,6 +426,22 @@ WHERE pl.shardid = get_shard_id_for_distribution_column(
 """
 
 
+_WORKER_OF = """
+SELECT n.nodename, n.nodeport FROM pg_dist_placement pl
+JOIN pg_dist_node n ON n.groupid = pl.groupid
+WHERE pl.shardid = get_shard_id_for_distribution_column(
+    'process_instance', steprecord_instance_id(%s))
+"""
+
+
+def worker_of(database_url: str, instance_key: str) -> str:
+    """On Citus, the URL of the same database on the worker that holds the instance's shards."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        row = conn.execute(_WORKER_OF, (instance_key,)).fetchone()
+    assert row is not None
+    return psycopg.conninfo.make_conninfo(database_url, host=row[0], port=row[1])
+
+
 def one_key_per_worker(url: str, citus: CitusCluster) -> list[str]:
     """An instance key whose shard is on each worker, in the workers' order."""
     ports = [int(worker.port or 0) for worker in citus.workers]

@@ -5,22 +5,36 @@ of `steprecord_apply_events` (README, "Events"): the single endpoints use the fi
 second.
 """
 
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
+import pytest
 
 from app.data.judge import PARAMS
+from tests.test_schema import on_citus
 
 Conn = psycopg.Connection[tuple[object, ...]]
 
+# Each call is a statement of its own, the function alone in it and its instance's id derived
+# from the key in the statement: on Citus the coordinator then sends the whole call to the
+# worker holding the instance (a call it does not send there cannot write a new record).
 ONE = (
-    "SELECT * FROM (SELECT %s::int AS i, %s::text AS k) x, steprecord_apply_event("
-    "steprecord_instance_id(x.k), x.i, x.k, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+    "SELECT * FROM steprecord_apply_event(steprecord_instance_id(%s::text), %s::int, %s::text,"
+    " %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 )
-SET = (
-    "SELECT * FROM steprecord_apply_events(%s::int[], %s::text[], %s::text[], %s::text[],"
-    " %s::bigint[], %s::timestamptz[], %s::timestamptz[], %s::text[], %s::text[], %s::text[],"
-    " %s::text[], %s::bigint[], %s::int[])"
+ARRAYS = (
+    "%s::int[], %s::text[], %s::text[], %s::text[], %s::bigint[], %s::timestamptz[],"
+    " %s::timestamptz[], %s::text[], %s::text[], %s::text[], %s::text[], %s::bigint[],"
+    " %s::int[]"
+)
+SET = f"SELECT * FROM steprecord_apply_events({ARRAYS})"
+# On Citus the general statement runs on the instance's worker, through the function the
+# service calls there (app/sql/apply_events_on_shard.sql: on one node it is
+# steprecord_apply_events itself).
+SET_ON_SHARD = (
+    "SELECT * FROM steprecord_apply_events_on_shard("
+    f"steprecord_instance_id((%s::text[])[1]), {ARRAYS})"
 )
 FIELDS = PARAMS[2:]  # the arguments after the instance key and the step slug
 # Everything but the generated id and the clock's times (created_at, updated_at, a lease).
@@ -78,20 +92,30 @@ HISTORY = """
 SELECT r.step_slug, a.attempt, a.status, a.started_at, a.completed_at, a.output::text,
        a.external_output_url, a.error_code, a.error_message
 FROM workflow_step_attempt a
-JOIN workflow_step_record r ON r.id = a.record_id
+JOIN workflow_step_record r ON r.instance_id = a.instance_id AND r.id = a.record_id
 JOIN process_instance p ON p.id = r.instance_id
 WHERE p.instance_key = %s
 ORDER BY r.step_slug, a.attempt
 """
 
 
+@pytest.fixture
+def conn(database_url: str) -> Iterator[Conn]:
+    """A connection in autocommit, as the service calls the judge: each call is its own
+    transaction (the tables are emptied before each test)."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        yield conn
+
+
 def one(db: Conn, instance_key: str, slug: str, event: dict[str, Any]) -> list[tuple[Any, ...]]:
-    args = [5, instance_key, slug, *(event.get(field) for field in FIELDS)]
+    args = [instance_key, 5, instance_key, slug, *(event.get(field) for field in FIELDS)]
     return _compared(db.execute(ONE, args))
 
 
 def general(db: Conn, instance_key: str, slug: str, event: dict[str, Any]) -> list[tuple[Any, ...]]:
     args = [[5], [instance_key], [slug], *([event.get(field)] for field in FIELDS)]
+    if on_citus(db):
+        return _compared(db.execute(SET_ON_SHARD, [[instance_key], *args]))
     return _compared(db.execute(SET, args))
 
 
@@ -101,11 +125,11 @@ def _compared(cur: psycopg.Cursor[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     return [tuple(row[names.index(name)] for name in COMPARED) for row in cur.fetchall()]
 
 
-def test_one_event_function_answers_as_the_general_function(db: Conn) -> None:
+def test_one_event_function_answers_as_the_general_function(conn: Conn) -> None:
     outcomes, answers = [], []
     for slug, event in EVENTS:
-        by_one = one(db, "judged-alone", slug, event)
-        by_set = general(db, "judged-in-a-set", slug, event)
+        by_one = one(conn, "judged-alone", slug, event)
+        by_set = general(conn, "judged-in-a-set", slug, event)
         assert by_one == by_set, (slug, event)
         outcomes.append(by_one[0][1] if by_one else None)
         answers.append(by_one[0])
@@ -131,8 +155,8 @@ def test_one_event_function_answers_as_the_general_function(db: Conn) -> None:
     ]
     recorded = [(slug, by[2]) for (slug, _), by in zip(EVENTS, answers, strict=True) if by[2]]
     assert recorded == [("g", True), ("g", True), ("h", True)]
-    alone = db.execute(HISTORY, ("judged-alone",)).fetchall()
-    assert alone == db.execute(HISTORY, ("judged-in-a-set",)).fetchall()
+    alone = conn.execute(HISTORY, ("judged-alone",)).fetchall()
+    assert alone == conn.execute(HISTORY, ("judged-in-a-set",)).fetchall()
     assert [row[:3] for row in alone if row[0] in ("g", "h")] == [
         ("g", 1, "failed"),
         ("g", 2, "running"),
@@ -141,15 +165,15 @@ def test_one_event_function_answers_as_the_general_function(db: Conn) -> None:
     ]
 
 
-def test_one_event_function_writes_nothing_for_a_replay(db: Conn) -> None:
+def test_one_event_function_writes_nothing_for_a_replay(conn: Conn) -> None:
     start = {"kind": "start", "attempt": 1, "started_at": T1}
-    one(db, "replayed", "a", start)
+    one(conn, "replayed", "a", start)
     version = (
         "SELECT r.ctid::text FROM workflow_step_record r JOIN process_instance p"
         " ON p.id = r.instance_id WHERE p.instance_key = 'replayed'"
     )
-    before = db.execute(version).fetchall()
-    assert one(db, "replayed", "a", start)[0][1] == "replay"
-    assert db.execute(version).fetchall() == before  # an update would make a new row version
-    assert one(db, "replayed", "a", {**start, "attempt": 2})[0][1] == "applied"
-    assert db.execute(version).fetchall() != before
+    before = conn.execute(version).fetchall()
+    assert one(conn, "replayed", "a", start)[0][1] == "replay"
+    assert conn.execute(version).fetchall() == before  # an update would make a new row version
+    assert one(conn, "replayed", "a", {**start, "attempt": 2})[0][1] == "applied"
+    assert conn.execute(version).fetchall() != before
