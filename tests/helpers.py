@@ -434,14 +434,6 @@ WHERE pl.shardid = get_shard_id_for_distribution_column(
 """
 
 
-def worker_of(database_url: str, instance_key: str) -> str:
-    """On Citus, the URL of the same database on the worker that holds the instance's shards."""
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        row = conn.execute(_WORKER_OF, (instance_key,)).fetchone()
-    assert row is not None
-    return psycopg.conninfo.make_conninfo(database_url, host=row[0], port=row[1])
-
-
 def one_key_per_worker(url: str, citus: CitusCluster) -> list[str]:
     """An instance key whose shard is on each worker, in the workers' order."""
     ports = [int(worker.port or 0) for worker in citus.workers]
@@ -461,14 +453,12 @@ def one_key_per_worker(url: str, citus: CitusCluster) -> list[str]:
 def node_of(url: str, key: str) -> str:
     """The URL (in `url`'s database) of the server holding instance `key`'s rows, where the
     record's triggers run and notify: `url` itself, or on Citus the instance's worker."""
-    workers = citus_workers(url)
-    if not workers:
+    if not has_citus(url):
         return url
     with psycopg.connect(url, autocommit=True) as conn:
-        row = conn.execute(_NODE_OF, (key,)).fetchone()
+        row = conn.execute(_WORKER_OF, (key,)).fetchone()
     assert row is not None
-    port = str(row[0])
-    return next(w for w in workers if psycopg.conninfo.conninfo_to_dict(w)["port"] == port)
+    return psycopg.conninfo.make_conninfo(url, host=row[0], port=row[1])
 
 
 @contextmanager

@@ -13,7 +13,7 @@ import pytest
 from app.data import leases, reads
 from app.data.common import constraint_name
 from app.models import STATUSES
-from tests.helpers import has_citus, worker_of
+from tests.helpers import has_citus, node_of
 from tests.test_schema import BASE, T1, T2, Conn, insert, refused
 
 T3 = "2026-12-02T10:00:03Z"
@@ -366,7 +366,7 @@ def judge_db(database_url: str, db: Conn) -> Iterator[Conn]:
     if not has_citus(database_url):
         yield db
         return
-    with psycopg.connect(worker_of(database_url, "run-1")) as conn:
+    with psycopg.connect(node_of(database_url, "run-1")) as conn:
         try:
             yield conn
         finally:
