@@ -4,13 +4,14 @@ import asyncio
 import random
 import threading
 import uuid
+from collections import Counter
 from typing import Any
 
 import httpx
 import psycopg
 
 from app.data import judge
-from tests.helpers import T1, T2, step_path
+from tests.helpers import T1, T2, has_citus, step_path
 
 
 async def race(server_url: str, requests: list[tuple[str, Any]]) -> list[httpx.Response]:
@@ -73,10 +74,31 @@ def test_racing_creators_of_one_step_do_not_skip_ordinals(
     assert ordinals == list(range(7))
 
 
+def one_shard_group(database_url: str, prefix: str, count: int) -> list[str]:
+    """`count` instance keys starting with `prefix` whose instances Citus places in one shard
+    group: there the service judges a batch one shard group per call, so overlapping callers
+    contend only inside a group, and all the keys of one are needed for as much contention as
+    on one node."""
+    candidates = [f"{prefix}-{n}" for n in range(count * 64)]
+    with psycopg.connect(database_url) as conn:
+        shards = [row[0] for row in conn.execute(judge.SHARD_GROUPS, (candidates,))]
+    fullest = Counter(shards).most_common(1)[0][0]
+    keys = [key for key, shard in zip(candidates, shards, strict=True) if shard == fullest]
+    assert len(keys) >= count
+    return keys[:count]
+
+
 def declare_overlapping_new_instances(database_url: str, callers: int = 6, rounds: int = 8) -> int:
     """Concurrent calls of the merge function, each declaring steps in a random two thirds of
-    the same 30 new instances per round; returns how many calls deadlocked."""
+    the same 30 new instances per round; returns how many calls deadlocked. On Citus the
+    instances are of one shard group and the call is the one the service sends there."""
     prefix, keys = uuid.uuid4().hex[:8], 30
+    if has_citus(database_url):
+        statement = judge.APPLY_EVENTS_ON_SHARD
+        pools = [one_shard_group(database_url, f"{prefix}-{r}", keys) for r in range(rounds)]
+    else:
+        statement = judge.APPLY_EVENTS
+        pools = [[f"{prefix}-{r}-{k}" for k in range(keys)] for r in range(rounds)]
     barrier = threading.Barrier(callers)
     deadlocks: list[int] = []
     errors: list[BaseException] = []
@@ -86,7 +108,7 @@ def declare_overlapping_new_instances(database_url: str, callers: int = 6, round
         try:
             with psycopg.connect(database_url, autocommit=True) as conn:
                 for round_ in range(rounds):
-                    chosen = rng.sample([f"{prefix}-{round_}-{k}" for k in range(keys)], 20)
+                    chosen = rng.sample(pools[round_], 20)
                     n = len(chosen)
                     columns: list[list[Any]] = [list(range(n)), chosen, [f"caller-{number}"] * n]
                     columns += [["declare"] * n] + [[None] * n for _ in range(9)]
@@ -94,7 +116,7 @@ def declare_overlapping_new_instances(database_url: str, callers: int = 6, round
                     try:
                         # The columns, then the trace id (none) and the writer.
                         psycopg.RawCursor(conn).execute(
-                            judge.APPLY_EVENTS, [*columns, None, f"caller-{number}"]
+                            statement, [*columns, None, f"caller-{number}"]
                         )
                     except psycopg.errors.DeadlockDetected:
                         deadlocks.append(round_)

@@ -25,6 +25,7 @@ from app.access import new_token
 from tests.helpers import (
     BEHIND_PGBOUNCER,
     ROOT,
+    citus_workers,
     eventually,
     free_port,
     lock_waits,
@@ -82,17 +83,31 @@ def serving(
 def row_locked(database_url: str, instance_key: str, step_slug: str) -> Iterator[None]:
     """A raw connection holds the record's row lock until the block ends."""
     with psycopg.connect(database_url) as holder:
+        # Naming the instance's id, so that on Citus the lock is taken on its worker.
         locked = holder.execute(
             "SELECT r.id FROM workflow_step_record r JOIN process_instance p"
             " ON p.id = r.instance_id WHERE p.instance_key = %s AND r.step_slug = %s"
+            " AND p.id = steprecord_instance_id(%s) AND r.instance_id = p.id"
             " FOR UPDATE OF r",
-            (instance_key, step_slug),
+            (instance_key, step_slug, instance_key),
         ).fetchall()
         assert len(locked) == 1
         try:
             yield
         finally:
             holder.rollback()
+
+
+def alter_database(database_url: str, change: str) -> None:
+    """`ALTER DATABASE <its name> <change>` on its server and, on Citus, on every worker too:
+    a record is locked and written on the worker holding its shard, in a session that takes
+    the worker's own settings (the coordinator does not hand its database's on)."""
+    database = psycopg.conninfo.conninfo_to_dict(database_url)["dbname"]
+    for url in (database_url, *citus_workers(database_url)):
+        with psycopg.connect(url, autocommit=True) as conn:
+            # Writable even while the database is read-only: this may be what undoes it.
+            conn.execute("SET default_transaction_read_only = off")
+            conn.execute(f'ALTER DATABASE "{database}" {change}')
 
 
 def timed(send: Callable[[], httpx.Response]) -> tuple[httpx.Response, float]:
@@ -172,8 +187,7 @@ def test_lock_timeout_of_the_database_answers_503_and_keeps_the_pool(
     """A `lock_timeout` an operator sets on the database or role (55P03) is not an outage."""
     name = "steprecord-lock-timeout-" + uuid.uuid4().hex[:8]
     key = "lt-" + uuid.uuid4().hex[:8]
-    database = psycopg.conninfo.conninfo_to_dict(own_database)["dbname"]
-    watcher.execute(f"ALTER DATABASE \"{database}\" SET lock_timeout = '1s'")
+    alter_database(own_database, "SET lock_timeout = '1s'")
     try:
         env = {"STEPRECORD_STATEMENT_TIMEOUT": "30"}
         with serving(tagged(own_database, name), env=env) as url:
@@ -188,7 +202,7 @@ def test_lock_timeout_of_the_database_answers_503_and_keeps_the_pool(
             after = httpx.post(f"{url}/v1/instances/{key}/steps/a/complete", json={"output": 1})
             assert after.status_code == 200
     finally:
-        watcher.execute(f'ALTER DATABASE "{database}" RESET lock_timeout')
+        alter_database(own_database, "RESET lock_timeout")
 
 
 class FreezableProxy:
@@ -458,9 +472,8 @@ def test_write_to_a_read_only_database_answers_503(own_database: str, watcher: W
     """A standby that is not promoted yet refuses writes: that is an outage, not a 500."""
     name = "steprecord-read-only-" + uuid.uuid4().hex[:8]
     key = "ro-" + uuid.uuid4().hex[:8]
-    database = psycopg.conninfo.conninfo_to_dict(own_database)["dbname"]
     with serving(tagged(own_database, name), env=BOUNDED) as url:
-        watcher.execute(f'ALTER DATABASE "{database}" SET default_transaction_read_only = on')
+        alter_database(own_database, "SET default_transaction_read_only = on")
         try:
             terminate_sessions(watcher, name)
 
@@ -472,7 +485,7 @@ def test_write_to_a_read_only_database_answers_503(own_database: str, watcher: W
 
             eventually(refused_as_read_only)
         finally:
-            watcher.execute(f'ALTER DATABASE "{database}" RESET default_transaction_read_only')
+            alter_database(own_database, "RESET default_transaction_read_only")
         terminate_sessions(watcher, name)
         path = f"{url}/v1/instances/{key}/steps/a/start"
         eventually(lambda: httpx.post(path).status_code == 201)

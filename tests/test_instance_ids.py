@@ -15,7 +15,7 @@ from alembic import command
 
 from app.cli import migrate
 from app.main import alembic_config
-from tests.helpers import problem, start_server, stop
+from tests.helpers import has_citus, problem, start_server, stop
 
 KEYS = ("order-1", "run-2", "fetch:3", "Z", "a" * 200)
 
@@ -79,6 +79,12 @@ def ids(url: str) -> dict[str, int]:
 def test_0020_gives_existing_instances_their_derived_ids_and_its_downgrade_keeps_every_row(
     scratch_database: str,
 ) -> None:
+    if has_citus(scratch_database):
+        pytest.skip(
+            "about revision 0019 and 0020's downgrade to it, which cannot run on Citus: every"
+            " migration ends by distributing, and Citus keeps no key without instance_id,"
+            " which revisions before 0020 have"
+        )
     config = alembic_config()
     config.attributes["database_url"] = scratch_database
     command.upgrade(config, "0019")
