@@ -74,14 +74,20 @@ def test_racing_creators_of_one_step_do_not_skip_ordinals(
     assert ordinals == list(range(7))
 
 
+SHARD_GROUPS = (
+    "SELECT get_shard_id_for_distribution_column('process_instance', steprecord_instance_id(k))"
+    " FROM unnest(%s::text[]) WITH ORDINALITY AS u(k, n) ORDER BY n"
+)
+
+
 def one_shard_group(database_url: str, prefix: str, count: int) -> list[str]:
     """`count` instance keys starting with `prefix` whose instances Citus places in one shard
-    group: there the service judges a batch one shard group per call, so overlapping callers
-    contend only inside a group, and all the keys of one are needed for as much contention as
-    on one node."""
+    group: there the service judges a batch with one statement per shard group, so
+    overlapping callers contend only inside a group, and all the keys of one are needed for
+    as much contention as on one node."""
     candidates = [f"{prefix}-{n}" for n in range(count * 64)]
     with psycopg.connect(database_url) as conn:
-        shards = [row[0] for row in conn.execute(judge.SHARD_GROUPS, (candidates,))]
+        shards = [row[0] for row in conn.execute(SHARD_GROUPS, (candidates,))]
     fullest = Counter(shards).most_common(1)[0][0]
     keys = [key for key, shard in zip(candidates, shards, strict=True) if shard == fullest]
     assert len(keys) >= count
