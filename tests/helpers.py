@@ -434,6 +434,34 @@ WHERE pl.shardid = get_shard_id_for_distribution_column(
 """
 
 
+@dataclass(frozen=True)
+class OneShard:
+    """Where a plan test loads its instances so that one shard holds as many rows as one
+    node's table would: on Citus the hashes of the instances' first shard (Citus hashes a
+    bigint with `hashint8`), the number of shards, and that shard's table; on one node every
+    hash, one "shard" and the table itself."""
+
+    low: int
+    high: int
+    shards: int
+    table: str
+
+
+def one_shard(conn: psycopg.Connection[Any]) -> OneShard:
+    """The first shard of the instances on Citus (see `OneShard`), or the whole table."""
+    citus = conn.execute("SELECT 1 FROM pg_extension WHERE extname = 'citus'").fetchone()
+    if citus is None:
+        return OneShard(-(2**31), 2**31 - 1, 1, "process_instance")
+    row = conn.execute(
+        "SELECT shardminvalue::int, shardmaxvalue::int, count(*) OVER (),"
+        " 'process_instance_' || shardid"
+        " FROM pg_dist_shard WHERE logicalrelid = 'process_instance'::regclass"
+        " ORDER BY shardminvalue::int LIMIT 1"
+    ).fetchone()
+    assert row is not None
+    return OneShard(*row)
+
+
 def one_key_per_worker(url: str, citus: CitusCluster) -> list[str]:
     """An instance key whose shard is on each worker, in the workers' order."""
     ports = [int(worker.port or 0) for worker in citus.workers]

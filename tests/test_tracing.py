@@ -28,12 +28,14 @@ from alembic import command
 from fastapi import FastAPI
 from kombu import Exchange, Queue
 from opentelemetry.sdk.trace import TracerProvider
+from psycopg import sql
 from pydantic import SecretStr, ValidationError
 from steprecord_client import AsyncRecorder, Recorder
 from steprecord_client.celery import step_slug_for
 
 from app import tracing, ui
 from app.config import Settings
+from app.data.common import constraint_name
 from app.main import alembic_config, create_app
 from tests import celery_traced_tasks
 from tests.helpers import (
@@ -42,6 +44,7 @@ from tests.helpers import (
     Span,
     attempts,
     free_port,
+    has_citus,
     otlp_receiver,
     require_celery_services,
     start_server,
@@ -353,14 +356,17 @@ def test_a_trace_url_must_hold_the_trace_id_and_the_id_is_escaped_into_it(
 
 # --- the database ----------------------------------------------------------------------------
 
+# The instance's id derived from the key in the call's own arguments, as the service calls it
+# (on Citus, a call reading its key from a subquery beside it crashed the coordinator's backend
+# outside a transaction block: a fault of Citus, not of the judge).
 APPLY = (
-    "SELECT outcome FROM (SELECT %s::text AS k) x, steprecord_apply_event("
-    "steprecord_instance_id(x.k), 0, x.k, %s, 'start', 1, NULL, NULL, NULL, NULL,"
-    " NULL, NULL, NULL, NULL, %s)"
+    "SELECT outcome FROM steprecord_apply_event(steprecord_instance_id(%(key)s::text), 0,"
+    " %(key)s::text, %(slug)s, 'start', 1, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,"
+    " %(trace_id)s)"
 )
 TRACES_OF = """
 SELECT r.step_slug, a.trace_id FROM workflow_step_attempt a
-JOIN workflow_step_record r ON r.id = a.record_id
+JOIN workflow_step_record r ON r.instance_id = a.instance_id AND r.id = a.record_id
 JOIN process_instance p ON p.id = r.instance_id
 WHERE p.instance_key = %s
 """
@@ -375,11 +381,21 @@ def test_hand_written_sql_leaves_the_trace_id_null_even_after_a_judged_event(
     own_database: str,
 ) -> None:
     """In one transaction: the judge's function starts an attempt with a trace id, then a
-    hand-written INSERT starts another: the trace id held for the function's call only."""
+    hand-written INSERT starts another: the trace id held for the function's call only.
+
+    On Citus the function is called alone (it is sent to its instance's worker only outside a
+    transaction block), then the INSERT follows on the same session, whose connection to
+    that worker the function's call left behind: the trace id must not outlive the call
+    there either."""
     instance = key()
     trace_id, _ = ids()
-    with psycopg.connect(own_database) as conn:
-        assert conn.execute(APPLY, (instance, "judged", trace_id)).fetchone() == ("created",)
+    distributed = has_citus(own_database)
+    with psycopg.connect(own_database, autocommit=distributed) as conn:
+        assert conn.execute(
+            APPLY, {"key": instance, "slug": "judged", "trace_id": trace_id}
+        ).fetchone() == ("created",)
+        if distributed:
+            conn.autocommit = False  # the rest in one transaction, rolled back
         conn.execute(BY_HAND, ("by-hand", 1, instance))
         assert conn.execute("SELECT current_setting('steprecord.trace_id', true)").fetchone() in (
             ("",),
@@ -407,10 +423,19 @@ def test_the_check_refuses_every_malformed_trace_id(own_database: str) -> None:
         f"{valid[:8]}-{valid[9:]}",
         f" {valid[1:]}",
     ]
+    distributed = has_citus(own_database)
+    # On Citus the attempt is written by the record's trigger on a worker, where the column's
+    # default reads the setting: SET LOCAL reaches the workers (set_config would stay on the
+    # coordinator). There the CHECK's refusal comes back from the trigger's write as an
+    # internal error naming the constraint in its message only.
+    refusal = psycopg.Error if distributed else psycopg.errors.CheckViolation
     with psycopg.connect(own_database) as conn:
+        if distributed:
+            conn.execute("SET citus.propagate_set_commands TO 'local'")
 
         def started(slug: str, ordinal: int, trace_id: str) -> None:
-            conn.execute("SELECT set_config('steprecord.trace_id', %s, true)", (trace_id,))
+            setting = sql.SQL("SET LOCAL steprecord.trace_id TO {}").format(sql.Literal(trace_id))
+            conn.execute(setting)
             conn.execute(BY_HAND, (slug, ordinal, instance))
 
         conn.execute(
@@ -421,12 +446,12 @@ def test_the_check_refuses_every_malformed_trace_id(own_database: str) -> None:
         started("valid", 0, valid)
         assert dict(conn.execute(TRACES_OF, (instance,)).fetchall()) == {"valid": valid}
         for ordinal, value in enumerate(forbidden, start=1):
-            with pytest.raises(psycopg.errors.CheckViolation) as refused, conn.transaction():
+            with pytest.raises(refusal) as refused, conn.transaction():
                 started(f"bad-{ordinal}", ordinal, value)
-            assert refused.value.diag.constraint_name == CHECK, value
+            assert constraint_name(refused.value) == CHECK, value
         with pytest.raises(psycopg.errors.CheckViolation) as guarded, conn.transaction():
             conn.execute("UPDATE workflow_step_attempt SET trace_id = %s", (valid[::-1],))
-        assert guarded.value.diag.constraint_name == "tr_workflow_step_attempt_guard"
+        assert constraint_name(guarded.value) == "tr_workflow_step_attempt_guard"
         conn.rollback()
 
 
@@ -452,6 +477,12 @@ OLD_CALL = (
 def test_migration_0016_adds_the_trace_id_and_its_downgrade_restores_0015(
     scratch_database: str,
 ) -> None:
+    if has_citus(scratch_database):
+        pytest.skip(
+            "one node's migration: revision 0015 predates the derived instance ids (0020), so"
+            " its unique keys leave out the distribution column and Citus cannot distribute"
+            " it; the cluster starts at head"
+        )
     config = alembic_config()
     config.attributes["database_url"] = scratch_database
     command.upgrade(config, "0015")

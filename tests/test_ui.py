@@ -30,6 +30,7 @@ from tests.helpers import (
     T4,
     create_database,
     drop_database,
+    one_shard,
     post,
     start_server,
     stop,
@@ -532,13 +533,21 @@ def test_the_cookie_is_not_secure_on_the_word_of_an_untrusted_proxy(server_dsn: 
 
 @pytest.fixture
 def many_instances(db: psycopg.Connection[tuple[object, ...]]) -> Any:
-    """10^4 instances of 3 steps, a few with failed or running steps (rolled back)."""
-    db.execute("""
+    """10^4 instances of 3 steps, a few with failed or running steps (rolled back). On Citus
+    all in one shard (see `one_shard`): spread over its 32 shards they would be some 300 a
+    shard, which the planner rightly reads whole; a shard as full as one node's table is
+    planned as that table."""
+    db.execute(
+        """
         INSERT INTO process_instance (id, instance_key, created_at)
         SELECT steprecord_instance_id(k), k, timestamptz '2026-01-01' + i * interval '1 s'
-        FROM generate_series(1, 10000) i,
-             LATERAL (SELECT CASE WHEN i % 100 = 0 THEN 'job-' ELSE 'run-' END || i AS k) x
-    """)
+        FROM generate_series(1, 10000 * %(shards)s * 2) i,
+             LATERAL (SELECT CASE WHEN i %% 100 = 0 THEN 'job-' ELSE 'run-' END || i AS k) x
+        WHERE hashint8(steprecord_instance_id(k)) BETWEEN %(low)s AND %(high)s
+        LIMIT 10000
+        """,
+        vars(one_shard(db)),
+    )
     db.execute("""
         INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attempt_count,
                                           started_at, completed_at, error_code)
@@ -588,6 +597,8 @@ def test_each_instance_filter_is_served_by_an_index(
 ) -> None:
     params = {**LIST, **reads.prefix_params("job-990")}  # one key of 10^4: job-9900
     text = plan(many_instances, reads.list_instances_query(prefix=prefix, has=has), params)
+    # On Citus the plan shown is the first shard's, the one the fixture loaded.
+    assert one_shard(many_instances).table in text, text
     assert any(index in text for index in indexes), text
     assert "Seq Scan" not in text, text
 
@@ -595,11 +606,19 @@ def test_each_instance_filter_is_served_by_an_index(
 def test_the_instance_and_step_pages_read_steps_and_attempts_by_index(
     many_instances: Any,
 ) -> None:
+    # An instance of the loaded shard (on Citus the others are empty, and read whole).
+    row = many_instances.execute(
+        "SELECT id, instance_key FROM process_instance"
+        " WHERE hashint8(id) BETWEEN %(low)s AND %(high)s AND instance_key LIKE 'job-%%'"
+        " LIMIT 1",
+        vars(one_shard(many_instances)),
+    ).fetchone()
+    assert row is not None
     queries = (dashboard.INSTANCE_STEPS, dashboard.INSTANCE_ATTEMPTS, dashboard.STEP_ATTEMPTS)
     for query in queries:
         params = {
-            "instance_id": 500,
-            "instance_key": "job-500",
+            "instance_id": row[0],
+            "instance_key": row[1],
             "limit": 1001,
             "last_ordinal": 2,
             "record_id": 500,
