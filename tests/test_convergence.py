@@ -15,13 +15,18 @@ writes nothing).
 """
 
 import asyncio
+import threading
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
+import psycopg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from app.data.judge import APPLY_EVENT
+from tests.helpers import attempts, lock_waits, post, problem, wait_for
 
 Event = tuple[str, dict[str, Any]]
 BASE = datetime(2026, 12, 2, 10, 0, tzinfo=UTC)
@@ -206,3 +211,41 @@ def test_every_order_and_interleaving_ends_in_the_same_record_and_history(
     key = f"conc-{uuid.uuid4().hex}"
     asyncio.run(apply_concurrently(server_url, key, shuffled))
     assert_truthful(final(shared_client, key), reference, events)
+
+
+def test_a_late_report_whose_statement_began_before_a_higher_attempt_took_over_is_kept(
+    client: httpx.Client, database_url: str
+) -> None:
+    """The general statement (a batch) reads the history as its snapshot saw it, which may be
+    older than the record it then locks: a higher attempt that took the record over meanwhile
+    superseded the late attempt's entry in its own transaction. The report still ends it."""
+    key = f"late-{uuid.uuid4().hex}"
+    assert post(client, "start", {"attempt": 1, "started_at": ts(100)}, key, "s").status_code == 201
+    late = {"attempt": 1, "started_at": ts(100), "completed_at": ts(110), "output": {"n": 1}}
+    batch = {"events": [{"instance_key": key, "step_slug": "s", "kind": "complete", **late}]}
+    answers: list[httpx.Response] = []
+    with (
+        psycopg.connect(database_url, autocommit=True) as watcher,
+        psycopg.connect(database_url) as holder,
+        psycopg.RawCursor(holder) as cur,
+    ):
+        # Attempt 3 takes the record over and supersedes attempt 1's entry, not committed yet.
+        cur.execute(APPLY_EVENT, [0, key, "s", "start", 3, ts(300), *([None] * 8), "ci"])
+        assert cur.fetchone() is not None
+        sender = threading.Thread(
+            target=lambda: answers.append(client.post("/v1/events", json=batch))
+        )
+        sender.start()
+        try:
+            wait_for("the late report blocked on the record", lambda: lock_waits(watcher) >= 1)
+            holder.commit()
+        finally:
+            sender.join()
+    (result,) = answers[0].json()["results"]
+    assert result["status"] == 409, result
+    assert result["problem"]["code"] == "stale_attempt"
+    assert result["problem"]["recorded"] is True
+    items = attempts(client, key, "s")
+    assert [(a["attempt"], a["status"]) for a in items] == [(1, "completed"), (3, "running")]
+    assert items[0]["output"] == {"n": 1}
+    assert problem(post(client, "complete", late, key, "s"), 409, "stale_attempt")["recorded"]

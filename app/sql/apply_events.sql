@@ -208,6 +208,12 @@ BEGIN
     -- terminal entry is left as it is (the WHERE of the upsert), and a report whose start
     -- would follow its end writes nothing. An inserted entry takes this call's trace id
     -- (the report is the first the history hears of that attempt); an updated one keeps its own.
+    -- `late` read the entry with this statement's snapshot, which may be older than the row
+    -- lock `cur` waited for: a higher attempt that took the record over meanwhile superseded
+    -- the entry in its own transaction, after the snapshot (it read `running` then, or
+    -- nothing). So only a terminal entry, which never changes, is skipped here; for any other
+    -- the upsert decides on the entry's newest version (ON CONFLICT sees it, and its WHERE
+    -- reads it), as the record's row lock makes it final.
     late_write AS (
         INSERT INTO workflow_step_attempt AS a (
             id, instance_id, record_id, attempt, status, started_at, completed_at, output,
@@ -216,7 +222,7 @@ BEGIN
         SELECT nextval('workflow_step_attempt_id_seq'), l.instance_id, l.record_id, l.attempt, l.target, l.started_at, l.completed_at,
                l.output, l.url, l.error_code, l.error_message, l.now, l.now, p_reported_by
         FROM late l
-        WHERE (l.entry_status IS NULL OR l.entry_status = 'superseded')
+        WHERE (l.entry_status IS NULL OR l.entry_status IN ('running', 'superseded'))
           AND l.started_at <= l.completed_at
         ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_instance_id_record_id_attempt
         DO UPDATE SET

@@ -21,6 +21,16 @@ rewrote the general statement's text for the shard group before planning it agai
   cannot route under a generic plan (the judge's setting holds for the triggers its writes
   fire).
 
+- The general statement (`steprecord_apply_events`) keeps a late report that raced a higher
+  attempt. It read the late attempt's history entry with its snapshot, which may be older
+  than the record's row lock it then waited for: when a higher attempt took the record over
+  meanwhile, its transaction superseded the entry after that snapshot, so the statement saw
+  the entry `running` (or missing, seen as such), wrote nothing, and answered
+  `stale_attempt` with `recorded` false, leaving the entry `superseded` although its end was
+  reported. Now only a terminal entry (which never changes) is skipped, and the upsert,
+  which sees the entry's newest version, decides. A batch hits it on one node too; on Citus
+  the one-event judge's new records and late reports go through this statement as well.
+
 app/distribution.py no longer sets `force_custom_plan` on `steprecord_apply_event`: its
 statements need no values to be routed.
 
