@@ -5,7 +5,9 @@ answers 5xx.
 
 Each test plays the writer itself: one transaction runs the judge's own function, which locks
 the instance and creates a step, and stays open until the destructive path is seen waiting
-for that lock (pg_stat_activity), then commits.
+for that lock (pg_stat_activity), then commits. On Citus that transaction runs on the worker
+holding the instance: Citus sends the judge's function to its worker only when it is called
+alone, outside a transaction block.
 """
 
 import os
@@ -20,7 +22,7 @@ import httpx
 import psycopg
 import pytest
 
-from tests.helpers import ROOT, T1, T2, age, exists, lock_waits, post, wait_for
+from tests.helpers import ROOT, T1, T2, age, exists, lock_waits, node_of, post, wait_for
 
 # The judge's function for one event (app/sql/apply_event.sql): the fields in its order.
 CREATE_STEP = (
@@ -36,7 +38,7 @@ def step_created_in_open_transaction(
 ) -> Iterator[psycopg.Connection[Any]]:
     """A transaction that has locked `instance` and created `step` in it, not yet committed;
     the test commits it (or it is rolled back on the way out)."""
-    with psycopg.connect(database_url) as writer:
+    with psycopg.connect(node_of(database_url, instance)) as writer:
         row = writer.execute(
             CREATE_STEP, {"instance": instance, "step": step, "kind": kind}
         ).fetchone()
@@ -146,8 +148,10 @@ def test_a_write_that_waited_for_a_delete_starts_a_new_instance(
         psycopg.connect(database_url, autocommit=True) as watcher,
         psycopg.connect(database_url) as deleter,
     ):
+        # As the DELETE's lock does, by the key's id too (on Citus: on the worker holding it).
         (instance_id,) = deleter.execute(
-            "SELECT id FROM process_instance WHERE instance_key = 'gone' FOR UPDATE"
+            "SELECT id FROM process_instance"
+            " WHERE id = steprecord_instance_id('gone') AND instance_key = 'gone' FOR UPDATE"
         ).fetchone() or (None,)
         writer = threading.Thread(
             target=lambda: answers.append(client.post(f"/v1/instances/gone/steps/new/{kind}"))
