@@ -870,3 +870,23 @@ def require_celery_services() -> None:
         if os.environ.get("CI") == "true":
             pytest.fail(reason)
         pytest.skip(reason)
+
+
+def task_plans(text: str) -> str:
+    """The shards' part of an EXPLAIN's text: on Citus the plan of each task shown (the lines
+    under a `->  Task`), without the coordinator's merge of the shards' rows above it (a Sort
+    there orders what the shards sent, it sorts no shard); on one server the whole plan."""
+    if "Custom Scan (Citus" not in text:
+        return text
+    kept: list[str] = []
+    task_indent: int | None = None
+    for line in text.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if task_indent is not None and indent <= task_indent:
+            task_indent = None
+        if line.lstrip().startswith("->  Task"):
+            task_indent = indent
+        elif task_indent is not None:
+            kept.append(line)
+    assert kept, text
+    return "\n".join(kept)

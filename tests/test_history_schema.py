@@ -13,7 +13,7 @@ import pytest
 from app.data import leases, reads
 from app.data.common import constraint_name
 from app.models import STATUSES
-from tests.helpers import has_citus, node_of
+from tests.helpers import has_citus, node_of, task_plans
 from tests.test_schema import BASE, T1, T2, Conn, insert, refused
 
 T3 = "2026-12-02T10:00:03Z"
@@ -338,7 +338,7 @@ def test_each_filter_across_instances_reads_its_index_without_sorting(wide_table
             statuses, updated_after=updated_after, lease_expired=lease_expired
         )
         rows = wide_table.execute("EXPLAIN " + query, params).fetchall()
-        text = "\n".join(str(r[0]) for r in rows)
+        text = task_plans("\n".join(str(r[0]) for r in rows))
         assert index in text, text
         assert "Sort  " not in text, text
         assert "Seq Scan on workflow" not in text, text

@@ -15,7 +15,7 @@ from app.data.common import constraint_name
 from app.db import sync_engine
 from app.main import alembic_config
 from app.models import metadata
-from tests.helpers import has_citus
+from tests.helpers import has_citus, task_plans
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 T1, T2 = "2026-12-02T10:00:01Z", "2026-12-02T10:00:02Z"
@@ -507,7 +507,7 @@ def test_list_instances_reads_the_time_index_without_sorting(db: Conn) -> None:
     """)
     db.execute("ANALYZE process_instance")
     params = {"before_created_at": "2026-01-01T12:00:00Z", "before_id": 0, "limit": 101}
-    text = plan(db, reads.list_instances_query(prefix=False, has=None), params)
+    text = task_plans(plan(db, reads.list_instances_query(prefix=False, has=None), params))
     assert "ix_process_instance_created_at_id" in text, text
     assert "Sort" not in text, text
 
@@ -529,6 +529,7 @@ def test_long_running_steps_read_the_running_index_without_sorting(
     big_table: Conn, no_lease: bool
 ) -> None:
     params = {"older_than": 3600, "after_started_at": "-infinity", "after_id": 0, "limit": 101}
-    text = plan(big_table, running.long_running_query(prefix=False, no_lease=no_lease), params)
+    query = running.long_running_query(prefix=False, no_lease=no_lease)
+    text = task_plans(plan(big_table, query, params))
     assert "ix_workflow_step_record_running_started_at_id" in text, text
     assert "Sort" not in text, text
