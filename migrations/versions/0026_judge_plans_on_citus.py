@@ -36,8 +36,10 @@ statements need no values to be routed.
 
 Frozen in `0026_judge_plans_on_citus.up.sql` by
 `python -m app.sql freeze 0026_judge_plans_on_citus`; the downgrade restores the previous
-text (`.down.sql`) and, on Citus, the plan setting 0025's one-event judge needs there (its
-join is routed only when planned with its values: app/distribution.py no longer sets it).
+text (`.down.sql`). On Citus, 0025's one-event judge needs `force_custom_plan` (its join is
+routed only when planned with its values): 0025's own code sets it at its next `migrate`
+(its app/distribution.py), as it did before; the downgrade leaves what an upgrade to 0025 by
+this code leaves, which tests/test_sql_source.py compares.
 
 Revision ID: 0026
 Revises: 0025
@@ -45,8 +47,6 @@ Create Date: 2026-12-06
 """
 
 from pathlib import Path
-
-from alembic import op
 
 from migrations import script
 
@@ -60,8 +60,6 @@ depends_on = None
 UP = Path(__file__).with_suffix(".up.sql")
 DOWN = Path(__file__).with_suffix(".down.sql")
 
-CITUS = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"
-
 
 def upgrade() -> None:
     script.run(UP.read_text())
@@ -69,5 +67,3 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     script.run(DOWN.read_text())
-    if op.get_bind().exec_driver_sql(CITUS).first() is not None:
-        op.execute("ALTER FUNCTION steprecord_apply_event SET plan_cache_mode = force_custom_plan")
