@@ -874,11 +874,13 @@ def require_celery_services() -> None:
 
 def task_plans(text: str) -> str:
     """The shards' part of an EXPLAIN's text: on Citus the plan of each task shown (the lines
-    under a `->  Task`), without the coordinator's merge of the shards' rows above it (a Sort
-    there orders what the shards sent, it sorts no shard); on one server the whole plan."""
+    under a `->  Task`) that reads a shard, without the coordinator's merge of the shards' rows
+    above it (a Sort there orders what the shards sent, it sorts no shard) nor a task that
+    merges the results of a statement's parts (branches Citus ran as subplans of their own,
+    each read under its LIMIT: `read_intermediate_result`); on one server the whole plan."""
     if "Custom Scan (Citus" not in text:
         return text
-    kept: list[str] = []
+    tasks: list[list[str]] = []
     task_indent: int | None = None
     for line in text.splitlines():
         indent = len(line) - len(line.lstrip())
@@ -886,7 +888,14 @@ def task_plans(text: str) -> str:
             task_indent = None
         if line.lstrip().startswith("->  Task"):
             task_indent = indent
+            tasks.append([])
         elif task_indent is not None:
-            kept.append(line)
+            tasks[-1].append(line)
+    kept = [
+        line
+        for task in tasks
+        if not any("read_intermediate_result" in line for line in task)
+        for line in task
+    ]
     assert kept, text
     return "\n".join(kept)
