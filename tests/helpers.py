@@ -490,10 +490,16 @@ def node_of(url: str, key: str) -> str:
 
 
 @contextmanager
-def citus_cluster(root: Path, bin_path: Path, workers: int = 2) -> Iterator[CitusCluster]:
+def citus_cluster(
+    root: Path, bin_path: Path, workers: int = 2, shards: int | None = None
+) -> Iterator[CitusCluster]:
     """Starts a coordinator and `workers` workers under `root` (the extension created in each
-    maintenance database, the workers added), and stops them all on the way out."""
+    maintenance database, the workers added), and stops them all on the way out. `shards`:
+    each distributed table's number of shards (`citus.shard_count`; Citus's default, 32,
+    when None)."""
     settings = {"shared_preload_libraries": "citus"}
+    if shards is not None:
+        settings["citus.shard_count"] = str(shards)
     nodes: list[EmbeddedPostgres] = []
     try:
         for name in ("coordinator", *(f"worker{n}" for n in range(1, workers + 1))):

@@ -534,9 +534,9 @@ def test_the_cookie_is_not_secure_on_the_word_of_an_untrusted_proxy(server_dsn: 
 @pytest.fixture
 def many_instances(db: psycopg.Connection[tuple[object, ...]]) -> Any:
     """10^4 instances of 3 steps, a few with failed or running steps (rolled back). On Citus
-    all in one shard (see `one_shard`): spread over its 32 shards they would be some 300 a
-    shard, which the planner rightly reads whole; a shard as full as one node's table is
-    planned as that table."""
+    all in one shard (see `one_shard`): spread over the shards they would be a few hundred or
+    thousand a shard, which the planner rightly reads whole; a shard as full as one node's
+    table is planned as that table."""
     db.execute(
         """
         INSERT INTO process_instance (id, instance_key, created_at)

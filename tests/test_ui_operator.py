@@ -80,8 +80,9 @@ def test_stuck_shows_a_running_step_without_a_lease_past_the_threshold_as_no_lea
 @pytest.fixture
 def many_records(db: psycopg.Connection[tuple[object, ...]]) -> Any:
     """10^4 instances of 3 steps (rolled back). On Citus all in one shard (see `one_shard`):
-    spread over its 32 shards they would be some 300 a shard, which the planner rightly reads
-    whole for a page of 50 ids; a shard as full as one node's table is planned as that table."""
+    spread over the shards they would be a few hundred or thousand a shard, which the planner
+    rightly reads whole for a page of 50 ids; a shard as full as one node's table is planned
+    as that table."""
     db.execute(
         """
         INSERT INTO process_instance (id, instance_key, created_at)
