@@ -2,7 +2,7 @@
 PostgreSQL CPU per event of each node.
 
 Run from the repository root: `.venv-test/bin/python -m tests.bench.citus [--duration S]
-[--rounds N] [--loads ...]`. Linux only (it reads /proc); needs Citus installed in a
+[--rounds N] [--loads ...] [--shards N]`. Linux only (it reads /proc); needs Citus installed in a
 PostgreSQL here, wrk and pgbench.
 
 In one sitting it starts, in a temporary directory, a one-node PostgreSQL and a Citus cluster
@@ -220,6 +220,9 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=10, help="seconds per round (10)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated: {LOADS}")
+    parser.add_argument(
+        "--shards", type=int, default=32, help="shards per distributed table (32, Citus's default)"
+    )
     args = parser.parse_args()
     loads = args.loads.split(",")
     if not loads or set(loads) - set(LOADS):
@@ -231,7 +234,7 @@ def main() -> int:
     with ExitStack() as stack:
         root = stack.enter_context(server_directory())
         single = stack.enter_context(one_node(root, bin_path))
-        cluster = stack.enter_context(citus_cluster(root, bin_path))
+        cluster = stack.enter_context(citus_cluster(root, bin_path, shards=args.shards))
         one_url = create_database(single.url, NAME)
         cluster_url = create_database(cluster.url, NAME)
         worker_url = make_conninfo(cluster.workers[0].url, dbname=NAME)
@@ -242,9 +245,9 @@ def main() -> int:
         cluster_base = stack.enter_context(run.service(cluster_url, root / "cluster.log"))
         report += run.machine(one_url)
         report.append(
-            f"cluster:    a coordinator and 2 workers (Citus, 32 shards), one node beside it,"
-            f" all on this machine; {args.rounds} rounds of {args.duration:g} s per side,"
-            f" {CONNECTIONS} connections; CPU in us per event, call or read"
+            f"cluster:    a coordinator and 2 workers (Citus, {args.shards} shards), one node"
+            f" beside it, all on this machine; {args.rounds} rounds of {args.duration:g} s per"
+            f" side, {CONNECTIONS} connections; CPU in us per event, call or read"
         )
         one_nodes = {"one node": single.data_dir}
         cluster_nodes = {"coordinator": cluster.coordinator.data_dir}
