@@ -17,6 +17,7 @@ from app.data.judge import APPLY_EVENT
 from tests.helpers import (
     CitusCluster,
     attempts,
+    lock_waits,
     migrated_database,
     one_key_per_worker,
     post,
@@ -267,6 +268,22 @@ WHERE pl.shardid = get_shard_id_for_distribution_column(
 """
 
 
+def start_on_shard(conn: psycopg.Connection[Any], keys: list[str]) -> list[tuple[Any, ...]]:
+    """The shard function called as the service calls it, with a `start` of attempt 1 of step
+    `s` of each instance: each event's index and outcome."""
+    n = len(keys)
+    with psycopg.RawCursor(conn) as cur:
+        cur.execute(
+            "SELECT i, outcome FROM steprecord_apply_events_on_shard("
+            " steprecord_instance_id(($2::text[])[1]), $1::int[], $2::text[],"
+            " $3::text[], $4::text[], $5::bigint[], $6::timestamptz[],"
+            " $7::timestamptz[], $8::text[], $9::text[], $10::text[], $11::text[],"
+            " $12::bigint[], $13::int[], NULL, 'ci') ORDER BY i",
+            [list(range(n)), keys, ["s"] * n, ["start"] * n, [1] * n, *([[None] * n] * 8)],
+        )
+        return cur.fetchall()
+
+
 def test_the_shard_function_judges_one_workers_shard_groups_and_refuses_another_workers(
     cluster_database: str,
 ) -> None:
@@ -285,17 +302,7 @@ def test_the_shard_function_judges_one_workers_shard_groups_and_refuses_another_
         assert len(first) >= 4  # four shard groups of one worker
 
         def call(batch: list[str]) -> list[tuple[Any, ...]]:
-            n = len(batch)
-            with psycopg.RawCursor(conn) as cur:
-                cur.execute(
-                    "SELECT i, outcome FROM steprecord_apply_events_on_shard("
-                    " steprecord_instance_id(($2::text[])[1]), $1::int[], $2::text[],"
-                    " $3::text[], $4::text[], $5::bigint[], $6::timestamptz[],"
-                    " $7::timestamptz[], $8::text[], $9::text[], $10::text[], $11::text[],"
-                    " $12::bigint[], $13::int[], NULL, 'ci') ORDER BY i",
-                    [list(range(n)), batch, ["s"] * n, ["start"] * n, [1] * n, *([[None] * n] * 8)],
-                )
-                return cur.fetchall()
+            return start_on_shard(conn, batch)
 
         assert call(first[:3]) == [(0, "created"), (1, "created"), (2, "created")]
         assert call(first[:3]) == [(0, "replay"), (1, "replay"), (2, "replay")]
@@ -309,3 +316,58 @@ def test_the_shard_function_judges_one_workers_shard_groups_and_refuses_another_
             (first[3], second[0]),
         ).fetchone()
         assert written == (0,)
+
+
+def test_two_calls_reaching_the_same_shard_groups_in_opposite_orders_wait_and_never_deadlock(
+    cluster_database: str,
+) -> None:
+    """A call takes its shard groups in the order of their shard ids, whatever the order of
+    its events. Two calls over the same two groups, sent in opposite orders while a session
+    holds the lower group's record: when it lets go, the first takes both groups and the
+    second waits for it; neither deadlocks (taken in the events' order, the second would hold
+    the higher group's record while waiting for the lower, which the first holds)."""
+    by_shard: dict[int, str] = {}
+    with psycopg.connect(cluster_database, autocommit=True) as conn:
+        worker: int | None = None
+        for n in range(200):
+            key = f"order-{uuid.uuid4().hex[:8]}-{n}"
+            row = conn.execute(_PLACEMENT, (key,)).fetchone()
+            assert row is not None
+            worker = int(row[0]) if worker is None else worker
+            if int(row[0]) == worker:
+                by_shard.setdefault(int(row[1]), key)
+        assert len(by_shard) >= 2  # two shard groups of one worker
+        low, high = (by_shard[shard] for shard in sorted(by_shard)[:2])
+        assert start_on_shard(conn, [low, high]) == [(0, "created"), (1, "created")]
+
+        with psycopg.connect(cluster_database) as holder, psycopg.connect(cluster_database) as w:
+            w.autocommit = True
+            row = holder.execute("SELECT steprecord_instance_id(%s)", (low,)).fetchone()
+            assert row is not None
+            holder.execute(
+                "SELECT 1 FROM workflow_step_record WHERE instance_id = %s AND step_slug = 's'"
+                " FOR UPDATE",
+                (row[0],),
+            )
+            answers: dict[str, list[tuple[Any, ...]] | BaseException] = {}
+
+            def send(name: str, keys: list[str]) -> None:
+                try:
+                    with psycopg.connect(cluster_database, autocommit=True) as own:
+                        answers[name] = start_on_shard(own, keys)
+                except BaseException as exc:  # reported below, with the other call's answer
+                    answers[name] = exc
+
+            first = threading.Thread(target=send, args=("first", [low, high]))
+            first.start()
+            wait_for("the first call waits for the held record", lambda: lock_waits(w) >= 1)
+            second = threading.Thread(target=send, args=("second", [high, low]))
+            second.start()
+            wait_for("the second call waits too", lambda: lock_waits(w) >= 2)
+            holder.rollback()
+            first.join(30)
+            second.join(30)
+    assert answers == {
+        "first": [(0, "replay"), (1, "replay")],
+        "second": [(0, "replay"), (1, "replay")],
+    }

@@ -12,8 +12,8 @@
 -- shard), and then refuses its row locks (FOR UPDATE) across shards. So the statement runs
 -- here, on the worker, on each shard group's own shards (the tables `<table>_<shard id>`
 -- beside this call), as PostgreSQL plans it on one node: one statement per group, in the
--- order the groups first appear among the events, all in this call's transaction, their
--- locks and writes on this node, the shards' triggers (the record's guard, history and
+-- order of the groups' shard ids, all in this call's transaction, their locks and writes on
+-- this node, the shards' triggers (the record's guard, history and
 -- notification) firing as on one node. The events are of distinct steps (as
 -- steprecord_apply_events requires), so no group's events see another's. Its text is
 -- steprecord_apply_events's own, read from the catalog, with each table named by its shard
@@ -72,15 +72,19 @@ BEGIN
         bigint[], timestamptz[], timestamptz[], text[], text[], text[], text[], bigint[], int[],
         text, text)'::regprocedure;
 
-    -- Each shard group's events (their positions n, ascending), the groups in the order they
-    -- first appear.
+    -- Each shard group's events (their positions n, ascending), the groups in the order of
+    -- their shard ids: every call on this node locks its groups' rows in that one order, as
+    -- the statement locks each group's rows by id, so two calls wait for each other instead
+    -- of deadlocking (in the order the groups first appear among the events, two batches
+    -- that reached the same groups in turn locked them in opposite orders). The answer is
+    -- the same in any order: the events are of distinct steps, each judged as if alone.
     FOR v_shard, v_pos IN
         SELECT g.shard, array_agg(g.n ORDER BY g.n)
         FROM (SELECT n, get_shard_id_for_distribution_column(
                             'process_instance', steprecord_instance_id(p_instance_key[n])) AS shard
               FROM generate_subscripts(p_instance_key, 1) AS n) g
         GROUP BY g.shard
-        ORDER BY min(g.n)
+        ORDER BY g.shard
     LOOP
         v_ids := ARRAY(SELECT DISTINCT steprecord_instance_id(p_instance_key[n])
                        FROM unnest(v_pos) AS n);
