@@ -98,12 +98,13 @@ def main() -> int:
                 f"cluster: a coordinator and 2 workers (Citus, {args.shards} shards);"
                 f" {args.calls} timed pairs of calls of {args.events} events each"
             )
-            for label, pool in (("one shard group", one), (f"{len(groups)} shard groups", every)):
+            sides = (("one shard group", "one", one), (f"{len(groups)} shard groups", "all", every))
+            for label, slug, pool in sides:
                 for n in range(args.calls + 2):  # the first two prepare the statements
                     if n == 2:
                         began = time.perf_counter()
                     keys = rng.sample(pool, args.events)
-                    call(conn, keys, [f"{label}-{n}-{i}" for i in range(args.events)])
+                    call(conn, keys, [f"{slug}-{n}-{i}" for i in range(args.events)])
                 each = (time.perf_counter() - began) / args.calls / 2
                 print(
                     f"  {label:>16}: {each * 1000:6.1f} ms a call,"
