@@ -612,7 +612,8 @@ def logged_server(
 
 @contextmanager
 def pgbouncer(database_url: str) -> Iterator[str]:
-    """PgBouncer in transaction pool mode in front of the database; yields its URL."""
+    """PgBouncer in transaction pool mode in front of the database; yields its URL. Stopped,
+    and its working directory removed, on the way out."""
     info = psycopg.conninfo.conninfo_to_dict(database_url)
     workdir = Path(tempfile.mkdtemp(prefix="steprecord-pgbouncer-"))
     if os.geteuid() == 0:  # PgBouncer will not run as root; it switches to nobody
@@ -653,6 +654,7 @@ def pgbouncer(database_url: str) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @contextmanager
