@@ -342,6 +342,7 @@ def test_each_filter_across_instances_reads_its_index_without_sorting(wide_table
         "updated_after": "2026-01-01T00:01:00Z",
         "limit": 101,
     }
+    citus = has_citus(wide_table.info.dsn)
     for statuses, updated_after, lease_expired, index in RECENT_FILTERS:
         query = reads.list_recent_query(
             statuses, updated_after=updated_after, lease_expired=lease_expired
@@ -355,8 +356,11 @@ def test_each_filter_across_instances_reads_its_index_without_sorting(wide_table
             # One node merges the statuses' index ranges in order. Citus reads each range as a
             # subplan of its own (each shard's in order, under the LIMIT), then sorts at most
             # LIMIT rows of each range to merge them.
-            ranges = [f"Index Cond: ((status = '{s}'::text)" for s in statuses]
-            assert "Merge Append" in text or all(r in text for r in ranges), text
+            if citus:
+                for status in statuses:
+                    assert f"Index Cond: ((status = '{status}'::text)" in text, text
+            else:
+                assert "Merge Append" in text, text
     rows = wide_table.execute("EXPLAIN " + leases.DUE_INSTANCES, {"limit": 500}).fetchall()
     text = "\n".join(str(r[0]) for r in rows)
     assert "ix_workflow_step_record_leased_updated_at_id" in text, text
