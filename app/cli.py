@@ -436,7 +436,6 @@ async def _prune(
         finally:
             if archive is not None:
                 archive.close()
-    assert pruned is not None  # only an exclusive prune gives way
     print(pruned.summary(cutoff, dry_run=args.dry_run, archive=args.archive))
     return 0
 

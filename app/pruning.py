@@ -155,11 +155,12 @@ async def prune(
     exclusive: bool = False,
     batch: int = BATCH,
     pause: float = PAUSE,
-) -> Pruned | None:
+) -> Pruned:
     """Delete (or with `dry_run` only count) every instance last written before `cutoff`.
 
     `exclusive`: one pruner at a time; another pruner's batch in progress makes this one
-    stop and answer None. `pause`: see `PAUSE`.
+    stop, answering what its earlier batches deleted (the other goes on from there).
+    `pause`: see `PAUSE`.
     """
     pruned = Pruned()
     after: tuple[datetime, int] | None = None
@@ -173,7 +174,7 @@ async def prune(
             after = (found[-1]["created_at"], found[-1]["id"])
             async with conn.transaction():
                 if exclusive and not await retention.take_prune_lock(conn):
-                    return None
+                    return pruned
                 due = await retention.lock_due(
                     conn,
                     [row["id"] for row in found],
@@ -203,7 +204,7 @@ async def prune_finished(pool: Pool, keep: timedelta) -> int:
     async with pool.connection() as conn:
         cutoff = await retention.database_now(conn) - keep
     pruned = await prune(pool.connection, cutoff, exclusive=True)
-    if pruned is None or not pruned.instances:
+    if not pruned.instances:
         return 0
     observe.PRUNED.inc(pruned.instances)
     log.info(pruned.summary(cutoff, dry_run=False, archive=None))

@@ -3,6 +3,7 @@ deleted with their records and history, in short batches, optionally archived fi
 instance written after the cutoff is never deleted; bad input is refused before anything is
 read."""
 
+import asyncio
 import gzip
 import json
 import os
@@ -13,16 +14,20 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
-from datetime import timedelta
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 
+from app import pruning
 from app.config import Settings
+from app.data import retention
 from tests.helpers import (
     T1,
     T2,
@@ -270,6 +275,37 @@ def test_writers_racing_a_prune_lose_no_acknowledged_write(
         assert client.get(f"/v1/instances/{key}/steps/{step}").status_code == 200, (key, step)
     written = {key for key, _ in acknowledged}
     assert not any(exists(client, key) for key in set(keys) - written)
+
+
+def test_a_pruner_giving_way_to_another_still_counts_what_it_deleted(
+    client: httpx.Client, database_url: str
+) -> None:
+    for key in ("first", "second"):
+        finished(client, key)
+        age(database_url, key, 2)
+    other = psycopg.connect(database_url)  # the other pruner, mid-batch: it holds the lock
+    calls = 0
+
+    @asynccontextmanager
+    async def connect() -> AsyncIterator[psycopg.AsyncConnection[dict[str, Any]]]:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # this pruner's second batch
+            other.execute(retention.PRUNE_LOCK)
+        async with await psycopg.AsyncConnection.connect(
+            database_url, autocommit=True, row_factory=dict_row
+        ) as conn:
+            yield conn
+
+    try:
+        cutoff = datetime.now(UTC) - timedelta(days=1)
+        pruned = asyncio.run(pruning.prune(connect, cutoff, exclusive=True, batch=1, pause=0))
+    finally:
+        other.close()
+    assert calls == 2
+    assert pruned.instances == 1
+    assert pruned.batches == 1
+    assert [exists(client, key) for key in ("first", "second")].count(True) == 1
 
 
 @pytest.fixture
