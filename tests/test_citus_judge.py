@@ -19,6 +19,7 @@ from tests.helpers import (
     attempts,
     lock_waits,
     migrated_database,
+    node_of,
     one_key_per_worker,
     post,
     problem,
@@ -319,6 +320,22 @@ def test_the_shard_function_judges_one_workers_shard_groups_and_refuses_another_
             (first[3], second[0]),
         ).fetchone()
         assert written == (0,)
+
+
+def test_a_call_rolled_back_after_preparing_a_groups_statement_leaves_that_group_usable(
+    cluster_database: str,
+) -> None:
+    """A worker prepares a shard group's statement once per connection and remembers it in a
+    setting of the session. A call whose transaction is rolled back takes the setting back
+    but not the PREPARE: the next call of that group in the session finds the statement
+    anyway and uses it. (On the worker itself: there the function runs in the caller's
+    session, also inside a transaction block.)"""
+    key = f"again-{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(node_of(cluster_database, key), autocommit=True) as conn:
+        with conn.transaction(force_rollback=True):
+            assert start_on_shard(conn, [key]) == [(0, "created")]
+        assert start_on_shard(conn, [key]) == [(0, "created")]
+        assert start_on_shard(conn, [key]) == [(0, "replay")]
 
 
 def test_two_calls_reaching_the_same_shard_groups_in_opposite_orders_wait_and_never_deadlock(

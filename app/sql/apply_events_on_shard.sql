@@ -50,14 +50,12 @@ AS $fn$
 #variable_conflict use_column
 DECLARE
     v_now timestamptz := clock_timestamp();
-    v_ids bigint[];
-    v_shard bigint;
+    v_group record;
     v_statement text;
     v_table text;
     v_shard_table text;
     v_name text;
     v_version text;
-    v_pos int[];
 BEGIN
     IF to_regprocedure('get_shard_id_for_distribution_column(regclass,"any")') IS NULL THEN
         RETURN QUERY SELECT * FROM steprecord_apply_events(
@@ -72,79 +70,90 @@ BEGIN
         bigint[], timestamptz[], timestamptz[], text[], text[], text[], text[], bigint[], int[],
         text, text)'::regprocedure;
 
-    -- Each shard group's events (their positions n, ascending), the groups in the order of
-    -- their shard ids: every call on this node locks its groups' rows in that one order, as
-    -- the statement locks each group's rows by id, so two calls wait for each other instead
-    -- of deadlocking (in the order the groups first appear among the events, two batches
-    -- that reached the same groups in turn locked them in opposite orders). The answer is
-    -- the same in any order: the events are of distinct steps, each judged as if alone.
-    FOR v_shard, v_pos IN
-        SELECT g.shard, array_agg(g.n ORDER BY g.n)
-        FROM (SELECT n, get_shard_id_for_distribution_column(
-                            'process_instance', steprecord_instance_id(p_instance_key[n])) AS shard
-              FROM generate_subscripts(p_instance_key, 1) AS n) g
+    -- Each shard group's events, in the order they were given (by n), as the arguments of
+    -- its statement, and the group's instance ids; the groups in the order of their shard
+    -- ids: every call on this node locks its groups' rows in that one order, as the
+    -- statement locks each group's rows by id, so two calls wait for each other instead of
+    -- deadlocking (in the order the groups first appear among the events, two batches that
+    -- reached the same groups in turn locked them in opposite orders). The answer is the
+    -- same in any order: the events are of distinct steps, each judged as if alone.
+    FOR v_group IN
+        SELECT g.shard, array_agg(DISTINCT g.instance_id) AS ids,
+               array_agg(p_i[g.n] ORDER BY g.n) AS i,
+               array_agg(p_instance_key[g.n] ORDER BY g.n) AS instance_key,
+               array_agg(p_step_slug[g.n] ORDER BY g.n) AS step_slug,
+               array_agg(p_kind[g.n] ORDER BY g.n) AS kind,
+               array_agg(p_attempt[g.n] ORDER BY g.n) AS attempt,
+               array_agg(p_started_at[g.n] ORDER BY g.n) AS started_at,
+               array_agg(p_completed_at[g.n] ORDER BY g.n) AS completed_at,
+               array_agg(p_output[g.n] ORDER BY g.n) AS output,
+               array_agg(p_external_output_url[g.n] ORDER BY g.n) AS external_output_url,
+               array_agg(p_error_code[g.n] ORDER BY g.n) AS error_code,
+               array_agg(p_error_message[g.n] ORDER BY g.n) AS error_message,
+               array_agg(p_ordinal[g.n] ORDER BY g.n) AS ordinal,
+               array_agg(p_lease_seconds[g.n] ORDER BY g.n) AS lease_seconds
+        FROM (SELECT k.n, k.instance_id,
+                     get_shard_id_for_distribution_column('process_instance', k.instance_id)
+                         AS shard
+              FROM (SELECT n, steprecord_instance_id(p_instance_key[n]) AS instance_id
+                    FROM generate_subscripts(p_instance_key, 1) AS n) k) g
         GROUP BY g.shard
         ORDER BY g.shard
     LOOP
-        v_ids := ARRAY(SELECT DISTINCT steprecord_instance_id(p_instance_key[n])
-                       FROM unnest(v_pos) AS n);
-        v_name := format('steprecord_apply_events_%s_%s', v_shard, v_version);
-        IF NOT EXISTS (SELECT 1 FROM pg_prepared_statements s WHERE s.name = v_name) THEN
-            -- The general statement: the text between RETURN QUERY and the END of its body.
-            SELECT substring(p.prosrc FROM 'RETURN QUERY(.*);\s*END\s*$') INTO v_statement
-            FROM pg_proc p
-            WHERE p.oid = 'steprecord_apply_events(int[], text[], text[], text[], bigint[],
-                           timestamptz[], timestamptz[], text[], text[], text[], text[],
-                           bigint[], int[], text, text)'::regprocedure;
-            FOREACH v_table IN ARRAY ARRAY['process_instance', 'workflow_step_record',
-                                           'workflow_step_attempt'] LOOP
-                v_shard_table := shard_name(
-                    v_table::regclass, get_shard_id_for_distribution_column(v_table, v_ids[1]));
-                IF to_regclass(v_shard_table) IS NULL THEN
-                    RAISE EXCEPTION 'steprecord_apply_events_on_shard: shard % is not on this node', v_shard_table
-                        USING ERRCODE = 'object_not_in_prerequisite_state',
-                              HINT = 'Call the function alone, outside a transaction block, with events whose instances live on one worker, so that Citus sends it to that worker.';
-                END IF;
-                v_statement := regexp_replace(v_statement, '\m' || v_table || '\M',
-                                              v_shard_table, 'g');
-                -- A unique key named in ON CONFLICT carries its shard's id on the shard.
-                v_statement := regexp_replace(v_statement, '\m(uq_' || v_table || '_\w+)\M',
-                                              '\1' || substring(v_shard_table FROM '_[0-9]+$'),
-                                              'g');
-            END LOOP;
-            v_statement := regexp_replace(v_statement, '\mv_now\M', '$14', 'g');
-            v_statement := regexp_replace(v_statement, '\mv_ids\M', '$15', 'g');
-            v_statement := regexp_replace(v_statement, '\mp_reported_by\M', '$16', 'g');
-            FOR n IN 1..13 LOOP
-                v_statement := regexp_replace(
-                    v_statement,
-                    '\m' || (ARRAY['p_i', 'p_instance_key', 'p_step_slug', 'p_kind', 'p_attempt',
-                                   'p_started_at', 'p_completed_at', 'p_output',
-                                   'p_external_output_url', 'p_error_code', 'p_error_message',
-                                   'p_ordinal', 'p_lease_seconds'])[n] || '\M',
-                    '$' || n, 'g');
-            END LOOP;
-            EXECUTE format('PREPARE %I (int[], text[], text[], text[], bigint[], timestamptz[],'
-                           ' timestamptz[], text[], text[], text[], text[], bigint[], int[],'
-                           ' timestamptz, bigint[], text) AS %s', v_name, v_statement);
+        v_name := format('steprecord_apply_events_%s_%s', v_group.shard, v_version);
+        -- Prepared in this connection already: a setting of the session says so, cheaper
+        -- to read than pg_prepared_statements (which copies every statement's text). A
+        -- call that failed rolled the setting back but not the PREPARE (which is not
+        -- transactional): the catalog is asked then, and the setting written again.
+        IF current_setting('steprecord.' || v_name, true) IS DISTINCT FROM 'prepared' THEN
+            IF NOT EXISTS (SELECT 1 FROM pg_prepared_statements s WHERE s.name = v_name) THEN
+                -- The general statement: the text between RETURN QUERY and the END of its body.
+                SELECT substring(p.prosrc FROM 'RETURN QUERY(.*);\s*END\s*$') INTO v_statement
+                FROM pg_proc p
+                WHERE p.oid = 'steprecord_apply_events(int[], text[], text[], text[], bigint[],
+                               timestamptz[], timestamptz[], text[], text[], text[], text[],
+                               bigint[], int[], text, text)'::regprocedure;
+                FOREACH v_table IN ARRAY ARRAY['process_instance', 'workflow_step_record',
+                                               'workflow_step_attempt'] LOOP
+                    v_shard_table := shard_name(
+                        v_table::regclass, get_shard_id_for_distribution_column(v_table, v_group.ids[1]));
+                    IF to_regclass(v_shard_table) IS NULL THEN
+                        RAISE EXCEPTION 'steprecord_apply_events_on_shard: shard % is not on this node', v_shard_table
+                            USING ERRCODE = 'object_not_in_prerequisite_state',
+                                  HINT = 'Call the function alone, outside a transaction block, with events whose instances live on one worker, so that Citus sends it to that worker.';
+                    END IF;
+                    v_statement := regexp_replace(v_statement, '\m' || v_table || '\M',
+                                                  v_shard_table, 'g');
+                    -- A unique key named in ON CONFLICT carries its shard's id on the shard.
+                    v_statement := regexp_replace(v_statement, '\m(uq_' || v_table || '_\w+)\M',
+                                                  '\1' || substring(v_shard_table FROM '_[0-9]+$'),
+                                                  'g');
+                END LOOP;
+                v_statement := regexp_replace(v_statement, '\mv_now\M', '$14', 'g');
+                v_statement := regexp_replace(v_statement, '\mv_ids\M', '$15', 'g');
+                v_statement := regexp_replace(v_statement, '\mp_reported_by\M', '$16', 'g');
+                FOR n IN 1..13 LOOP
+                    v_statement := regexp_replace(
+                        v_statement,
+                        '\m' || (ARRAY['p_i', 'p_instance_key', 'p_step_slug', 'p_kind', 'p_attempt',
+                                       'p_started_at', 'p_completed_at', 'p_output',
+                                       'p_external_output_url', 'p_error_code', 'p_error_message',
+                                       'p_ordinal', 'p_lease_seconds'])[n] || '\M',
+                        '$' || n, 'g');
+                END LOOP;
+                EXECUTE format('PREPARE %I (int[], text[], text[], text[], bigint[], timestamptz[],'
+                               ' timestamptz[], text[], text[], text[], text[], bigint[], int[],'
+                               ' timestamptz, bigint[], text) AS %s', v_name, v_statement);
+            END IF;
+            PERFORM set_config('steprecord.' || v_name, 'prepared', false);
         END IF;
 
         RETURN QUERY EXECUTE format(
             'EXECUTE %I(%L, %L, %L, %L, %L, %L, %L, %L, %L, %L, %L, %L, %L, %L, %L, %L)', v_name,
-            ARRAY(SELECT p_i[n] FROM unnest(v_pos) AS n ORDER BY n),
-            ARRAY(SELECT p_instance_key[n] FROM unnest(v_pos) AS n ORDER BY n),
-            ARRAY(SELECT p_step_slug[n] FROM unnest(v_pos) AS n ORDER BY n),
-            ARRAY(SELECT p_kind[n] FROM unnest(v_pos) AS n ORDER BY n),
-            ARRAY(SELECT p_attempt[n] FROM unnest(v_pos) AS n ORDER BY n),
-            ARRAY(SELECT p_started_at[n] FROM unnest(v_pos) AS n ORDER BY n),
-            ARRAY(SELECT p_completed_at[n] FROM unnest(v_pos) AS n ORDER BY n),
-            ARRAY(SELECT p_output[n] FROM unnest(v_pos) AS n ORDER BY n),
-            ARRAY(SELECT p_external_output_url[n] FROM unnest(v_pos) AS n ORDER BY n),
-            ARRAY(SELECT p_error_code[n] FROM unnest(v_pos) AS n ORDER BY n),
-            ARRAY(SELECT p_error_message[n] FROM unnest(v_pos) AS n ORDER BY n),
-            ARRAY(SELECT p_ordinal[n] FROM unnest(v_pos) AS n ORDER BY n),
-            ARRAY(SELECT p_lease_seconds[n] FROM unnest(v_pos) AS n ORDER BY n),
-            v_now, v_ids, p_reported_by);
+            v_group.i, v_group.instance_key, v_group.step_slug, v_group.kind, v_group.attempt,
+            v_group.started_at, v_group.completed_at, v_group.output,
+            v_group.external_output_url, v_group.error_code, v_group.error_message,
+            v_group.ordinal, v_group.lease_seconds, v_now, v_group.ids, p_reported_by);
     END LOOP;
 END
 $fn$;

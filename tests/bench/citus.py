@@ -41,6 +41,7 @@ import argparse
 import os
 import re
 import resource
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -227,6 +228,9 @@ def main() -> int:
     loads = args.loads.split(",")
     if not loads or set(loads) - set(LOADS):
         parser.error(f"--loads takes {', '.join(LOADS)}, comma-separated")
+    missing = [tool for tool in ("wrk", "pgbench") if shutil.which(tool) is None]
+    if missing:
+        sys.exit(f"missing {', '.join(missing)}; install with: {run.INSTALL}")
     bin_path = citus_bin_path()
     if bin_path is None:
         sys.exit("Citus is not installed in any PostgreSQL here")
