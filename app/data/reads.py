@@ -254,7 +254,10 @@ def list_recent_query(
 
     One branch per status, each a backward scan of `(status, updated_at, id)` (or of the
     partial index of leased records) merged in order by a Merge Append, so no filter sorts.
-    Within a key prefix, the prefix's instances are read first instead (`_in_prefix_query`).
+    One status is its branch alone, a statement of its own: on Citus its ORDER BY and LIMIT
+    then go to every shard in one distributed statement (as a subquery it was a subplan
+    whose result the coordinator stored, then read back). Within a key prefix, the prefix's
+    instances are read first instead (`_in_prefix_query`).
     """
     if prefix:
         return _in_prefix_query(statuses, updated_after=updated_after, lease_expired=lease_expired)
@@ -262,10 +265,10 @@ def list_recent_query(
         _recent_branch(s, updated_after=updated_after, lease_expired=lease_expired)
         for s in statuses
     ]
+    if len(branches) == 1:
+        return branches[0]
     merged = " UNION ALL ".join(branches)
-    if len(branches) > 1:
-        merged += " ORDER BY updated_at DESC, id DESC LIMIT %(limit)s"
-    return f"SELECT s.* FROM ({merged}) s"
+    return f"SELECT s.* FROM ({merged} ORDER BY updated_at DESC, id DESC LIMIT %(limit)s) s"
 
 
 def _in_prefix_query(statuses: Sequence[str], *, updated_after: bool, lease_expired: bool) -> str:

@@ -17,6 +17,9 @@ seconds (so that other work on the machine skews all sides alike):
 - replays: `replays.lua`, a `start` of attempt 1 of an existing record (judged, answered,
   nothing written: the one-event judge's lookup and lock, through the service);
 - reads: `reads.lua`, first pages of 100 records of a random instance;
+- steps: `steps.lua`, reads across instances: first pages of 100 records of one status (a
+  random one of four) over every instance (`GET /v1/steps?status=…`; on the cluster a
+  statement over every shard, merged on the coordinator);
 - calls: pgbench calling the judge's function (`steprecord_apply_event`) with the replays'
   events, as the service calls it: on one node; on the coordinator, delegated (Citus sends
   the whole call to the worker holding the instance); on the coordinator, not delegated (the
@@ -75,7 +78,7 @@ CONNECTIONS = 16
 # pending (pending are the last 5 %), so a start of attempt 1 is a replay on every one of them.
 READ_INSTANCES = 40
 REPLAY_STEPS = 95
-LOADS = ("replays", "reads", "calls", "single", "batch")
+LOADS = ("replays", "reads", "steps", "calls", "single", "batch")
 CALL = (
     "SELECT * FROM steprecord_apply_event(steprecord_instance_id(('r' || :k)::text), 0::int,"
     " ('r' || :k)::text, ('step-' || :s)::text, 'start'::text, 1::bigint,"
@@ -268,15 +271,20 @@ def main() -> int:
             one = Side("one node", one_nodes, one_base, log=root / "one-node.log")
             distributed = Side("cluster", cluster_nodes, cluster_base, log=root / "cluster.log")
             sides: list[tuple[Side, Callable[[], Load]]]
-            if name in ("replays", "reads"):
+            if name in ("replays", "reads", "steps"):
                 script = f"{name}.lua"
-                title = (
-                    "replayed single events (replays.lua), events/s"
-                    if name == "replays"
-                    else "first pages of 100 records (reads.lua), reads/s"
-                )
+                title = {
+                    "replays": "replayed single events (replays.lua), events/s",
+                    "reads": "first pages of 100 records (reads.lua), reads/s",
+                    "steps": "first pages of 100 records across instances (steps.lua), reads/s",
+                }[name]
                 wrk_args: list[object] = ["r", READ_INSTANCES]
-                wrk_args += [REPLAY_STEPS] if name == "replays" else ["ordinal", run.READ_LIMIT]
+                if name == "replays":
+                    wrk_args += [REPLAY_STEPS]
+                elif name == "reads":
+                    wrk_args += ["ordinal", run.READ_LIMIT]
+                else:
+                    wrk_args = [run.READ_LIMIT]
                 sides = [
                     (side, partial(wrk, side, script, wrk_args, 1)) for side in (one, distributed)
                 ]
