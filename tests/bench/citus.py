@@ -57,6 +57,8 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import psycopg  # noqa: E402
+from psycopg import sql  # noqa: E402
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
 from app.cli import migrate  # noqa: E402
@@ -225,6 +227,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated: {LOADS}")
     parser.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a setting of the cluster's database (ALTER DATABASE … SET), e.g."
+        " citus.max_adaptive_executor_pool_size=1; repeatable",
+    )
+    parser.add_argument(
         "--shards", type=int, default=32, help="shards per distributed table (32, Citus's default)"
     )
     args = parser.parse_args()
@@ -244,6 +254,14 @@ def main() -> int:
         cluster = stack.enter_context(citus_cluster(root, bin_path, shards=args.shards))
         one_url = create_database(single.url, NAME)
         cluster_url = create_database(cluster.url, NAME)
+        with psycopg.connect(cluster.url, autocommit=True) as conn:
+            for setting in args.setting:
+                name, _, value = setting.partition("=")
+                conn.execute(
+                    sql.SQL("ALTER DATABASE {} SET {} = {}").format(
+                        sql.Identifier(NAME), sql.SQL(name), sql.Literal(value)
+                    )
+                )
         worker_url = make_conninfo(cluster.workers[0].url, dbname=NAME)
         for url in (one_url, cluster_url):
             migrate(url)
@@ -255,6 +273,7 @@ def main() -> int:
             f"cluster:    a coordinator and 2 workers (Citus, {args.shards} shards), one node"
             f" beside it, all on this machine; {args.rounds} rounds of {args.duration:g} s per"
             f" side, {CONNECTIONS} connections; CPU in us per event, call or read"
+            + (f"; database settings: {', '.join(args.setting)}" if args.setting else "")
         )
         one_nodes = {"one node": single.data_dir}
         cluster_nodes = {"coordinator": cluster.coordinator.data_dir}
