@@ -21,8 +21,15 @@ from pydantic import (
 )
 
 from app.domain import Event, Kind
-from app.errors import NAME_RULE, Problem, validation_problem
-from app.limits import MAX_INT4, MAX_MESSAGE_BYTES, MAX_URL_CHARS, NAME_PATTERN, URL_PATTERN
+from app.errors import KEY_RULE, NAME_RULE, Problem, validation_problem
+from app.limits import (
+    KEY_RE,
+    MAX_INT4,
+    MAX_MESSAGE_BYTES,
+    MAX_URL_CHARS,
+    NAME_PATTERN,
+    URL_PATTERN,
+)
 from app.serialize import dumps_value, parse_timestamp, timestamp
 
 KINDS: tuple[Kind, ...] = ("declare", "start", "complete", "fail", "heartbeat")
@@ -196,13 +203,14 @@ def unknown_field(name: str, known: list[str]) -> str:
     return f"unknown field: this event takes {', '.join(known)}"
 
 
-def check_names(**names: str) -> None:
-    """Refuse an instance key or step slug that the format does not allow."""
-    bad = [
-        {"field": field, "message": NAME_RULE}
-        for field, value in names.items()
-        if not _NAME.fullmatch(value)
-    ]
+def check_names(instance_key: str, step_slug: str) -> None:
+    """Refuse an instance key or step slug that its format does not allow (a key may also
+    hold `+` and `~`, as an Airflow run id does; a slug may not)."""
+    bad = []
+    if not KEY_RE.fullmatch(instance_key):
+        bad.append({"field": "instance_key", "message": KEY_RULE})
+    if not _NAME.fullmatch(step_slug):
+        bad.append({"field": "step_slug", "message": NAME_RULE})
     if bad:
         raise validation_problem(bad)
 

@@ -33,6 +33,10 @@ NAME_RULE = (
     "must be 1 to 200 characters: letters, digits, '.', '_', ':' or '-',"
     " starting with a letter or digit"
 )
+KEY_RULE = (
+    "must be 1 to 200 characters: letters, digits, '.', '_', ':', '-', '+' or '~',"
+    " starting with a letter or digit"
+)
 
 # Every problem's title: a phrase a person reads first (the `code` is for programs).
 TITLES = {
@@ -278,9 +282,9 @@ async def _handle_validation(request: Request, exc: Exception) -> Response:
 
 
 def _message(err: Any) -> str:
-    # Every path parameter is a name (instance key or step slug).
+    # Every path parameter is a name: an instance key or a step slug.
     if err["loc"][0] == "path" and err["type"] in ("string_pattern_mismatch", "string_too_long"):
-        return NAME_RULE
+        return KEY_RULE if err["loc"][1:] == ("instance_key",) else NAME_RULE
     if err["type"] == "value_error":  # our own validators' words, without pydantic's prefix
         return str(err["ctx"]["error"])
     message: str = err["msg"]

@@ -5,6 +5,14 @@ import re
 
 NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$"
 NAME_RE = re.compile(NAME_PATTERN)
+# An instance key: a name that may also hold `+` and `~`, the two characters Airflow's default
+# run-id pattern (`[scheduler] allowed_run_id_pattern`, `^[A-Za-z0-9_.~:+-]+$`) allows beyond
+# the name alphabet, so `etl:scheduled__2026-12-06T00:00:00+00:00` is a key as it stands.
+KEY_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:+~-]{0,199}$"
+KEY_RE = re.compile(KEY_PATTERN)
+# The start of instance keys, as a filter (`prefix=`): 1 to 200 characters of the key alphabet.
+KEY_PREFIX_PATTERN = "^[A-Za-z0-9._:+~-]{1,200}$"
+KEY_PREFIX_RE = re.compile(KEY_PREFIX_PATTERN)
 # A token's key prefix: the start of a key, 1 to 100 characters.
 PREFIX_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$"
 PREFIX_RE = re.compile(PREFIX_PATTERN)

@@ -35,6 +35,7 @@ from sqlalchemy.types import UserDefinedType
 from sqlmodel import Field, SQLModel
 
 from app.limits import (
+    KEY_PATTERN,
     MAX_INT4,
     MAX_MESSAGE_BYTES,
     MAX_OUTPUT_BYTES,
@@ -103,7 +104,7 @@ class ProcessInstance(SQLModel, table=True):
         UniqueConstraint("instance_key"),
         # The id is its key's (app/sql/instance_id.sql): two keys never share an instance.
         CheckConstraint("id = steprecord_instance_id(instance_key)", name="id_derived"),
-        CheckConstraint(f"instance_key ~ '{NAME_PATTERN}'", name="instance_key_format"),
+        CheckConstraint(f"instance_key ~ '{KEY_PATTERN}'", name="instance_key_format"),
         CheckConstraint("next_ordinal >= 0", name="next_ordinal_nonnegative"),
         Index(None, "created_at", "id"),
         Index(

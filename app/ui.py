@@ -26,7 +26,7 @@ from app.data import dashboard, reads, repairs, running, stats
 from app.data.dashboard import LANE_ATTEMPTS
 from app.db import AsyncConn
 from app.errors import Problem
-from app.limits import NAME_RE
+from app.limits import KEY_PREFIX_RE, KEY_RE, NAME_RE
 from app.replica import ReadPool
 from app.serialize import timestamp
 from app.timeline import Scale, duration
@@ -46,7 +46,6 @@ MAX_STEPS = 1000  # the most steps an instance page shows; the API lists any num
 LIST_SIZE = 100
 STATS_SIZE = 100  # step names on the statistics page, most attempts first
 MAX_LOGIN_BYTES = 4096
-PREFIX_RE = re.compile(r"[A-Za-z0-9._:-]{1,200}")
 # The timeline's lanes and axis, in pixels (its scale: app/timeline.py).
 LANE, AXIS = 18, 34
 # Long pages are drawn in chunks of steps that the browser lays out only once scrolled into
@@ -232,24 +231,41 @@ CELERY_SLUG = re.compile(
     r"(?P<name>[A-Za-z0-9][A-Za-z0-9._:-]*):"
     r"(?P<id>[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12})"
 )
+# A mapped task's slug (steprecord_client.airflow): "<task id>:<map index, digits>". Its step
+# name (as `/v1/stats/steps` groups it) is the part before the last colon.
+MAPPED_SLUG = re.compile(r"(?P<name>[A-Za-z0-9][A-Za-z0-9._:-]*):(?P<index>[0-9]+)")
+
+
+def slug_parts(slug: str) -> tuple[str, str, str] | None:
+    """``("celery", task name, task id)``, ``("mapped", task id, map index)`` or ``None``
+    for a slug of neither shape."""
+    match = CELERY_SLUG.fullmatch(slug)
+    if match is not None:
+        return "celery", match["name"], match["id"]
+    match = MAPPED_SLUG.fullmatch(slug)
+    if match is not None:
+        return "mapped", match["name"], match["index"]
+    return None
 
 
 def step_label(slug: str, size: int | None = None) -> str:
-    """A step's name as the dashboard shows it: a Celery task's slug as its task name and
-    the first 8 characters of its id (`shop.charge:1a2b3c4d…`; pages give the full slug on
-    hover and on the step page), any other slug as it is. With ``size``, shortened to that
-    many characters, cutting the task name rather than its id."""
-    match = CELERY_SLUG.fullmatch(slug)
-    if match is None:
+    """A step's name as the dashboard shows it, the name first: a Celery task's slug as its
+    task name and the first 8 characters of its id (`shop.charge:1a2b3c4d…`; pages give the
+    full slug on hover and on the step page), any other slug as it is. With ``size``,
+    shortened to that many characters, cutting the name rather than what follows it (a
+    Celery task's short id, a mapped task's map index: `long_task_na…:17`)."""
+    parts = slug_parts(slug)
+    if parts is None:
         return slug if size is None else shorten(slug, size)
-    tail = f":{match['id'][:8]}…"
-    name = match["name"]
-    if size is not None:
+    kind, name, ident = parts
+    tail = f":{ident[:8]}…" if kind == "celery" else f":{ident}"
+    if size is not None and len(name) + len(tail) > size:
         name = shorten(name, max(size - len(tail), 4))
     return name + tail
 
 
 ENV.filters["step_label"] = step_label
+ENV.globals["slug_parts"] = slug_parts
 
 
 def tip(slug: str, attempt: dict[str, Any], scale: Scale, now: datetime) -> str:
@@ -364,9 +380,9 @@ async def instances_page(request: Request) -> Response:
     errors = []
     if status not in (None, "failed", "running"):
         errors.append('The status filter is "has failed steps" or "has running steps".')
-    if prefix is not None and not PREFIX_RE.fullmatch(prefix):
+    if prefix is not None and not KEY_PREFIX_RE.fullmatch(prefix):
         errors.append(
-            "A key prefix is 1 to 200 characters of letters, digits and . _ : - (as keys are)."
+            "A key prefix is 1 to 200 characters of letters, digits and . _ : - + ~ (as keys are)."
         )
     before = None
     if query.get("cursor"):
@@ -421,7 +437,7 @@ async def _instance(
     request: Request, instance_key: str
 ) -> tuple[dict[str, Any], list[dict[str, Any]], bool] | HTMLResponse:
     """An instance with its first `MAX_STEPS` steps and whether it has more, or the 404 page."""
-    if not NAME_RE.fullmatch(instance_key):
+    if not KEY_RE.fullmatch(instance_key):
         return not_found(request, "No instance has that key.")
     async with read_connection(request) as conn:
         try:
@@ -475,7 +491,7 @@ async def instance_parts(request: Request, instance_key: str) -> Response:
 
 @router.get("/ui/instances/{instance_key}/steps/{step_slug}")
 async def step_page(request: Request, instance_key: str, step_slug: str) -> Response:
-    if not (NAME_RE.fullmatch(instance_key) and NAME_RE.fullmatch(step_slug)):
+    if not (KEY_RE.fullmatch(instance_key) and NAME_RE.fullmatch(step_slug)):
         return not_found(request, "No step has that name.")
     api = "/v1" + path("instances", instance_key, "steps", step_slug).removeprefix("/ui")
     async with read_connection(request) as conn:
@@ -615,9 +631,9 @@ async def stats_page(request: Request) -> Response:
     if window not in WINDOWS:
         errors.append("The window is 1h, 24h or 7d.")
         window = "24h"
-    if prefix is not None and not PREFIX_RE.fullmatch(prefix):
+    if prefix is not None and not KEY_PREFIX_RE.fullmatch(prefix):
         errors.append(
-            "A key prefix is 1 to 200 characters of letters, digits and . _ : - (as keys are)."
+            "A key prefix is 1 to 200 characters of letters, digits and . _ : - + ~ (as keys are)."
         )
     until = datetime.now(UTC)
     since = until - WINDOWS[window]

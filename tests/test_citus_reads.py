@@ -133,7 +133,7 @@ def test_the_lists_across_instances_answer_what_one_node_answers(
     assert [r["id"] for r in rows] == newest(conn, expired, 21)
 
     failing = dashboard.failed_of_step_query(prefix=False)
-    params = {"name": "step-23", "celery_like": "step-23:%", "limit": 50}
+    params = {"name": "step-23", "grouped_like": "step-23:%", "limit": 50}
     rows = conn.execute(failing, params).fetchall()
     assert rows
     assert [r["id"] for r in rows] == newest(

@@ -83,6 +83,28 @@ def test_celery_slugs_are_grouped_by_task_name(client: httpx.Client) -> None:
     assert grouped["failure_rate"] == 0.5
 
 
+def test_mapped_slugs_are_grouped_by_task_id(client: httpx.Client) -> None:
+    """An Airflow mapped task's slugs (`load:0` ... `load:39`) are one step, `load`; a slug
+    whose part after the last colon is not all digits stays itself."""
+    for index in range(40):
+        outcome = "failed" if index % 10 == 0 else "completed"
+        run(client, "etl:scheduled__2026-12-02T00:00:00+00:00", f"load:{index}", [(outcome, 1)])
+    run(client, "etl:scheduled__2026-12-02T00:00:00+00:00", "load:3a", [("completed", 1)])
+    run(client, "etl:manual__2026-12-02T00:00:00+00:00", "load", [("completed", 1)])
+    items = {i["name"]: i for i in stats(client)["items"]}
+    assert set(items) == {"load", "load:3a"}
+    assert items["load"]["attempts"] == {
+        "completed": 37,
+        "failed": 4,
+        "superseded": 0,
+        "running": 0,
+    }
+    assert items["load"]["failure_rate"] == round(4 / 41, 4)
+    # A prefix with a `+` (an Airflow run id) narrows them like any other.
+    within = stats(client, prefix="etl:scheduled__2026-12-02T00:00:00+00")["items"]
+    assert {i["name"]: i["attempts"]["completed"] for i in within} == {"load": 36, "load:3a": 1}
+
+
 def test_only_attempts_started_in_the_window_count(client: httpx.Client) -> None:
     run(client, "order-1", "charge", [("completed", 1), ("completed", 1)])  # at +60 s, +120 s
     assert stats(client, since=at(61), until=at(120))["items"] == []
@@ -260,6 +282,17 @@ def test_a_batch_event_with_a_far_future_timestamp_is_refused(client: httpx.Clie
         "a:5f0c7d6e-2b1a-4c3d-9e8f-0a1b2c3d4e5f0",
         "a:5f0c7d6e-2b1a-4c3d-9e8f-0a1b2c3d4e5",
         "x",
+        "load:0",
+        "load:39",
+        "etl.load:1234567",
+        "load:",
+        "load:3a",
+        "load:-3",
+        "a::12",
+        "a:12:5f0c7d6e-2b1a-4c3d-9e8f-0a1b2c3d4e5f",
+        "a:5f0c7d6e-2b1a-4c3d-9e8f-0a1b2c3d4e5f:7",
+        "12",
+        "3:4",
     ],
 )
 def test_the_step_name_without_a_regular_expression_is_the_regular_expressions(
@@ -267,7 +300,7 @@ def test_the_step_name_without_a_regular_expression_is_the_regular_expressions(
 ) -> None:
     row = db.execute(
         f"SELECT {stats_data.NAME_OF.format(s='%(slug)s::text')},"
-        f" regexp_replace(%(slug)s, '{stats_data.CELERY_TASK_ID}', '')",
+        f" regexp_replace(%(slug)s, '{stats_data.GROUPED_TAIL}', '')",
         {"slug": slug},
     ).fetchone()
     assert row is not None

@@ -5,7 +5,7 @@ from typing import Any
 
 from app.data.common import RECORD
 from app.data.reads import IN_PREFIX, prefix_params
-from app.data.stats import CELERY_TASK_ID
+from app.data.stats import NAME_OF
 from app.db import AsyncConn
 
 # An error message's first line (the step page shows it whole), cut to 300 characters.
@@ -108,9 +108,10 @@ async def step_attempts(
 
 
 def failed_of_step_query(*, prefix: bool) -> str:
-    """Failed records of one step name (a slug, or a Celery task name: its slugs are the name,
-    a colon and a task id), newest `updated_at` first: a backward scan of the failed records
-    by `(status, updated_at, id)` that stops at `limit` matches."""
+    """Failed records of one step name (a slug; a Celery task name, whose slugs are the name, a
+    colon and a task id; a mapped task's name, whose slugs are the name, a colon and a map
+    index), newest `updated_at` first: a backward scan of the failed records by
+    `(status, updated_at, id)` that stops at `limit` matches."""
     within = (
         f" AND r.instance_id IN (SELECT p.id FROM process_instance p WHERE {IN_PREFIX})"
         if prefix
@@ -122,7 +123,8 @@ SELECT (SELECT p.instance_key FROM process_instance p WHERE p.id = r.instance_id
 FROM workflow_step_record r
 WHERE r.status = 'failed'
   AND (r.step_slug = %(name)s
-       OR (r.step_slug LIKE %(celery_like)s AND r.step_slug ~ '{CELERY_TASK_ID}')){within}
+       OR (r.step_slug LIKE %(grouped_like)s
+           AND {NAME_OF.format(s="r.step_slug")} = %(name)s)){within}
 ORDER BY r.updated_at DESC, r.id DESC
 LIMIT %(limit)s
 """
@@ -134,7 +136,7 @@ async def failed_of_step(
     """The failed records of step `name` as `/v1/stats/steps` names steps (see
     `failed_of_step_query`), only of instances whose key starts with `prefix` when given."""
     escaped = name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-    params: dict[str, Any] = {"name": name, "celery_like": escaped + ":%", "limit": limit}
+    params: dict[str, Any] = {"name": name, "grouped_like": escaped + ":%", "limit": limit}
     if prefix:
         params |= prefix_params(prefix)
     cur = await conn.execute(failed_of_step_query(prefix=bool(prefix)), params)

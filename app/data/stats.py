@@ -12,21 +12,31 @@ from typing import Any
 from app.data.reads import IN_PREFIX, prefix_params
 from app.db import AsyncConn
 
-# A Celery task's slug (steprecord_client.celery) is "<task name>:<task id, a UUID>"; its
-# statistics are the task name's, over every task id.
+# A slug names one run of a step in two shapes, whose statistics are the step name's:
+# - a Celery task's slug (steprecord_client.celery), "<task name>:<task id, a UUID>";
+# - a mapped task's slug (steprecord_client.airflow), "<task id>:<map index, digits>".
 CELERY_TASK_ID = ":[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}$"
+GROUPED_TAIL = (
+    ":([0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}|[0-9]+)$"
+)
 FINISHED = "a.status IN ('completed', 'failed')"
 
 
 # The step name of a slug `{s}`, without a regular expression (one costs ~10 µs a slug, most
 # of the statement's time over a large window): a slug ending in ":" and 36 characters that
-# are a UUID (its hex digits mapped to "#", which no slug holds) is its task name, else itself.
-# The same as `regexp_replace({s}, CELERY_TASK_ID, '')` for every slug.
+# are a UUID (its hex digits mapped to "#", which no slug holds) is its task name; a slug
+# whose part after its last ":" is one or more digits (`load:17`; the part found by
+# reversing the slug) is what stands before that ":"; any other slug is itself.
+# The same as `regexp_replace({s}, GROUPED_TAIL, '')` for every slug.
 UUID_SHAPE = "########-####-####-####-############"
+_TAIL = "right({s}, strpos(reverse({s}), ':') - 1)"
 NAME_OF = (
     "CASE WHEN substr({s}, length({s}) - 36, 1) = ':'"
     " AND translate(right({s}, 36), '0123456789abcdefABCDEF', '######################')"
-    " = '" + UUID_SHAPE + "' THEN left({s}, -37) ELSE {s} END"
+    " = '" + UUID_SHAPE + "' THEN left({s}, -37)"
+    " WHEN strpos({s}, ':') > 0 AND " + _TAIL + " <> ''"
+    " AND translate(" + _TAIL + ", '0123456789', '') = ''"
+    " THEN left({s}, -strpos(reverse({s}), ':')) ELSE {s} END"
 )
 
 

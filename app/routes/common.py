@@ -11,7 +11,7 @@ from pydantic import AwareDatetime, BeforeValidator, StringConstraints
 
 from app.db import Pool
 from app.errors import Problem, validation_problem
-from app.limits import MAX_OUTPUT_BYTES, NAME_PATTERN
+from app.limits import KEY_PATTERN, MAX_OUTPUT_BYTES, NAME_PATTERN
 from app.models import STATUSES
 from app.replica import ReadPool
 from app.serialize import (
@@ -67,7 +67,8 @@ class KnownQuery(APIRoute):
         return checked
 
 
-InstanceKey = Annotated[str, Path(pattern=NAME_PATTERN, max_length=200)]
+# An instance key: a name that may also hold `+` and `~` (an Airflow run id).
+InstanceKey = Annotated[str, Path(pattern=KEY_PATTERN, max_length=200)]
 MAX_LIMIT = 1000
 # How many items a list answers at most.
 Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT)]
@@ -90,7 +91,7 @@ StepSlug = Annotated[str, Path(pattern=NAME_PATTERN, max_length=200)]
 # A timestamp in a query, refused with the same message as in a body.
 QueryTimestamp = Annotated[AwareDatetime, BeforeValidator(parse_timestamp)]
 # The start of instance keys: 1 to 200 characters of the key alphabet.
-KeyPrefix = Annotated[str, StringConstraints(pattern=NAME_PATTERN, max_length=200)]
+KeyPrefix = Annotated[str, StringConstraints(pattern=KEY_PATTERN, max_length=200)]
 
 
 def json_response(body: Any, status: int = 200) -> Response:

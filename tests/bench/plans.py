@@ -156,7 +156,7 @@ def reads_to_explain(conn: psycopg.Connection[Any]) -> list[tuple[str, str, dict
         (
             "The dashboard's Failing list of one step",
             dashboard.failed_of_step_query(prefix=False),
-            {"name": "step-23", "celery_like": "step-23:%", "limit": 50},
+            {"name": "step-23", "grouped_like": "step-23:%", "limit": 50},
         ),
         (
             "Step statistics over a day (GET /v1/stats/steps)",

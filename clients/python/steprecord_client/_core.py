@@ -71,6 +71,8 @@ LEASE_CAP: Final = 86400
 """Longest lease a ``start`` or ``heartbeat`` may ask for, in seconds."""
 
 _NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
+# An instance key may also hold `+` and `~` (an Airflow run id, e.g. `...T00:00:00+00:00`).
+_KEY_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+~-]{0,199}")
 _CODE_INVALID_RE: Final = re.compile(r"[^A-Za-z0-9._:-]+")
 _URL_RE: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S+")
 # A JSON escape of NUL: "\u0000" preceded by an even number of backslashes.
@@ -145,7 +147,7 @@ class InstanceScope:
     __slots__ = ("_tokens", "key")
 
     def __init__(self, key: str) -> None:
-        self.key = check_name(key, "instance key")
+        self.key = check_key(key)
         self._tokens: list[Token[str | None]] = []
 
     def __enter__(self) -> str:
@@ -190,6 +192,16 @@ def check_name(value: str, what: str) -> str:
     if not isinstance(value, str) or _NAME_RE.fullmatch(value) is None:
         raise ValueError(
             f"invalid {what} {value!r}: 1-200 characters of [A-Za-z0-9._:-], "
+            f"starting with a letter or digit"
+        )
+    return value
+
+
+def check_key(value: str, what: str = "instance key") -> str:
+    """Validate an instance key: a name that may also hold ``+`` and ``~``."""
+    if not isinstance(value, str) or _KEY_RE.fullmatch(value) is None:
+        raise ValueError(
+            f"invalid {what} {value!r}: 1-200 characters of [A-Za-z0-9._:+~-], "
             f"starting with a letter or digit"
         )
     return value
@@ -424,7 +436,7 @@ def reopen_request(key: str, slug: str, reason: str, attempt: int | None) -> Htt
 
 
 def steps_path(key: str) -> str:
-    return f"/v1/instances/{check_name(key, 'instance key')}/steps"
+    return f"/v1/instances/{check_key(key)}/steps"
 
 
 def step_path(key: str, slug: str) -> str:

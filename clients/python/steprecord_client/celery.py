@@ -198,7 +198,7 @@ class CeleryRecording:
 
     def _identities(self, task: Any, request: Any) -> tuple[str, str] | None:
         try:
-            key = _core.check_name(self._instance_key(request), "instance key")
+            key = _core.check_key(self._instance_key(request))
             if self._step_slug is not None:
                 slug = _core.check_name(self._step_slug(request), "step slug")
             else:
