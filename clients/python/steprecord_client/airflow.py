@@ -46,6 +46,7 @@ import re
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -533,6 +534,12 @@ class SteprecordListener:
         self._closes: list[tuple[float, Callable[[], None]]] = []  # dag runs to close, and when
         self._timer: threading.Timer | None = None
         self._atexit = False
+        # A child forked while another thread held the lock would wait on it for ever.
+        method = weakref.WeakMethod(self._after_fork)
+        os.register_at_fork(after_in_child=lambda: (bound := method()) and bound())
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
 
     # -- configuration and the sender
 
