@@ -29,7 +29,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
 DAG_FILE = """
 from datetime import datetime
 
