@@ -18,7 +18,7 @@ naming how many and the first few: delete those instances first
 (`DELETE /v1/instances/{instance_key}`, or `steprecord prune`), then migrate down again.
 
 Revision ID: 0030
-Revises: 0028
+Revises: 0029
 Create Date: 2026-12-07
 """
 
@@ -27,7 +27,7 @@ from alembic import op
 from migrations.guard import MigrationRefused, found
 
 revision = "0030"
-down_revision = "0028"
+down_revision = "0029"
 branch_labels = None
 depends_on = None
 
