@@ -193,15 +193,24 @@ NAME_RULE = (
     "must be 1 to 200 characters: letters, digits, '.', '_', ':' or '-',"
     " starting with a letter or digit"
 )
+# An instance key may also hold `+` and `~` (an Airflow run id).
+KEY_RULE = (
+    "must be 1 to 200 characters: letters, digits, '.', '_', ':', '-', '+' or '~',"
+    " starting with a letter or digit"
+)
 
 
 def test_a_bad_name_gets_the_same_words_in_the_path_the_batch_and_error_code(
     client: httpx.Client,
 ) -> None:
     in_path = problem(post(client, "start", instance="-order"), 422, "validation_error")
-    assert in_path["errors"] == [{"field": "instance_key", "message": NAME_RULE}]
+    assert in_path["errors"] == [{"field": "instance_key", "message": KEY_RULE}]
     event = {"instance_key": "-order", "step_slug": "charge", "kind": "start"}
     assert batch_problem(client, event)["errors"] == in_path["errors"]
+    slug_in_path = problem(post(client, "start", step="-charge"), 422, "validation_error")
+    assert slug_in_path["errors"] == [{"field": "step_slug", "message": NAME_RULE}]
+    event = {"instance_key": "order", "step_slug": "-charge", "kind": "start"}
+    assert batch_problem(client, event)["errors"] == slug_in_path["errors"]
     code = post(client, "fail", {"started_at": T1, "error_code": "card declined"})
     assert problem(code, 422, "validation_error")["errors"] == [
         {"field": "error_code", "message": NAME_RULE}
