@@ -80,6 +80,7 @@ SIDES = ("service", "limit", "least SQL")
 CONTENDED_INSTANCES = 20
 CONTENDED_STEPS = 20
 COPIES = 3
+SMOKE_CONTENDED = 5  # `--smoke`: 5 instances x 5 steps
 # What a reordered event may answer: applied, created, a replay, or a stale attempt (an
 # attempt-1 event arriving after attempt 2 began). Anything else is an error.
 CONTENTION_ANSWERS = {200, 201, 409}
@@ -139,14 +140,16 @@ def postgres_server(tmp: Path) -> Iterator[str]:
 
 
 @contextmanager
-def fresh_database(server: str, name: str) -> Iterator[str]:
-    """A new, migrated database on the server, dropped at the end."""
+def fresh_database(server: str, name: str, like: str | None = None) -> Iterator[str]:
+    """A new, migrated database on the server, dropped at the end; with `like`, a copy of that
+    freshly migrated database (no session may be connected to it), which is quicker."""
     with psycopg.connect(server, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {name}")
+        conn.execute(f"CREATE DATABASE {name}" + (f" TEMPLATE {like}" if like else ""))
     try:
         dsn = make_conninfo(server, dbname=name)
-        migrate(dsn)
+        if like is None:
+            migrate(dsn)
         yield dsn
     finally:
         try:
@@ -361,7 +364,9 @@ def writer() -> str:
     return TOKEN_NAME if os.environ.get("STEPRECORD_BENCH_TOKEN") else ANONYMOUS
 
 
-def judge_call(statement: str, index: str, fields: dict[str, str], missing: str) -> str:
+def judge_call(
+    statement: str, index: str, fields: dict[str, str], missing: str, writer: str = ANONYMOUS
+) -> str:
     """A judge's statement of app/data/judge.py (APPLY_EVENT, APPLY_EVENTS) as a pgbench
     command, with the arguments the service passes: the index (or indexes), then each field of
     `judge.PARAMS` (its expression in `fields`, `missing` for the others), then the request's
@@ -370,10 +375,10 @@ def judge_call(statement: str, index: str, fields: dict[str, str], missing: str)
     if unknown:
         raise ValueError(f"not fields of an event: {sorted(unknown)}")
     values = [fields.get(name, missing) for name in judge.PARAMS]
-    return pgbench_statement(statement, [index, *values, "NULL", f"'{writer()}'"])
+    return pgbench_statement(statement, [index, *values, "NULL", f"'{writer}'"])
 
 
-def limit_events_script(path: Path) -> Path:
+def limit_events_script(path: Path, writer: str = ANONYMOUS) -> Path:
     """The limit of single events as a pgbench script: the two events of events.sql (the
     `start` of a new step, :r, and the `complete` of the step this client started in its
     previous run, :prev) passed to the service's one-event judge, `judge.APPLY_EVENT`, with the
@@ -390,7 +395,7 @@ def limit_events_script(path: Path) -> Path:
             "started_at": "now()",
             **completed,
         }
-        return judge_call(judge.APPLY_EVENT, "0", fields, "NULL")
+        return judge_call(judge.APPLY_EVENT, "0", fields, "NULL", writer)
 
     start = event(":k", ":r", "start", {})
     complete = event(":pk", ":prev", "complete", {"completed_at": "now()", "output": output})
@@ -412,7 +417,7 @@ def limit_read_script(order: str, path: Path) -> Path:
     return path
 
 
-def limit_batch_script(path: Path, size: int = BATCH_SIZE) -> Path:
+def limit_batch_script(path: Path, size: int = BATCH_SIZE, writer: str = ANONYMOUS) -> Path:
     """The limit of a batch as a pgbench script: the events of one batch.lua request (the
     `start` of `size / 2` new steps, the `complete` of the steps this client started in its
     previous run) passed to the service's batch judge, `judge.APPLY_EVENTS`, as the service
@@ -445,7 +450,7 @@ def limit_batch_script(path: Path, size: int = BATCH_SIZE) -> Path:
     # The service's statement casts each array to its field's type.
     nulls = f"array_fill(NULL::text, ARRAY[{size}])"
     indexes = array(*map(str, range(size)))
-    call = judge_call(judge.APPLY_EVENTS, indexes, fields, nulls)
+    call = judge_call(judge.APPLY_EVENTS, indexes, fields, nulls, writer)
     path.write_text(
         "-- Written by tests/bench/run.py (limit_batch_script): one batch.lua request as the\n"
         "-- service passes it to its judge.\n"
@@ -540,11 +545,13 @@ def pgbench(
 # --- the contention load ---------------------------------------------------------------------
 
 
-def contended_events(seed: int = 7) -> list[tuple[str, bytes]]:
+def contended_events(
+    instances: int = CONTENDED_INSTANCES, steps: int = CONTENDED_STEPS, seed: int = 7
+) -> list[tuple[str, bytes]]:
     """(path, body) of every event of the contention load, duplicated and shuffled."""
     events: list[tuple[str, bytes]] = []
-    for n in range(1, CONTENDED_INSTANCES + 1):
-        for m in range(1, CONTENDED_STEPS + 1):
+    for n in range(1, instances + 1):
+        for m in range(1, steps + 1):
             path = f"/v1/instances/c{n}/steps/s{m}"
             bodies = [
                 ("start", {"attempt": 1, "started_at": "2026-12-03T10:00:01Z"}),
@@ -631,9 +638,11 @@ FROM workflow_step_record r JOIN process_instance p ON p.id = r.instance_id
 """
 
 
-def contention_wrong(dsn: str) -> list[str]:
+def contention_wrong(
+    dsn: str, instances: int = CONTENDED_INSTANCES, steps: int = CONTENDED_STEPS
+) -> list[str]:
     """What is not exactly right after the contention load (nothing, when all is)."""
-    steps_total = CONTENDED_INSTANCES * CONTENDED_STEPS
+    steps_total = instances * steps
     with psycopg.connect(dsn) as conn:
         row = conn.execute(CONTENTION_STATE).fetchone()
     assert row is not None
@@ -641,8 +650,8 @@ def contention_wrong(dsn: str) -> list[str]:
     wrong = []
     if records != steps_total or right != steps_total:
         wrong.append(f"{right} of {records} records as expected (want {steps_total})")
-    if gapless != CONTENDED_INSTANCES:
-        wrong.append(f"{gapless} of {CONTENDED_INSTANCES} instances have ordinals 0..n-1")
+    if gapless != instances:
+        wrong.append(f"{gapless} of {instances} instances have ordinals 0..n-1")
     if attempts_2 != steps_total or attempts_1_wrong:
         wrong.append(f"history: {attempts_2} completed attempts 2, {attempts_1_wrong} bad 1s")
     return wrong
@@ -730,7 +739,7 @@ class Bench:
         """Single events: the service, its limit (`limit_events_script`) and the least SQL
         (events.sql); and the load whose p99 / p50 is the tail, at `tail_connections`."""
         conns = self.connections
-        limit = limit_events_script(self.tmp / "limit_events.sql")
+        limit = limit_events_script(self.tmp / "limit_events.sql", writer())
         self.warm_up("single, service", "events.lua", conns)
         sides = self.alternate(
             "single",
@@ -761,7 +770,7 @@ class Bench:
             print(f"  batch: skipped, POST /v1/events answered {status}", file=sys.stderr)
             return None
         conns, size = self.connections, BATCH_SIZE
-        limit = limit_batch_script(self.tmp / "limit_batch.sql", size)
+        limit = limit_batch_script(self.tmp / "limit_batch.sql", size, writer())
         self.warm_up("batch, service", "batch.lua", conns, size)
         return self.alternate(
             "batch",
@@ -777,13 +786,15 @@ class Bench:
     def contention(self) -> Load:
         """The contention load, sent once (events/s = all events / the time until the last
         answer), then checked exactly right."""
-        events = contended_events()
+        size = SMOKE_CONTENDED if self.smoke else None
+        instances, steps = size or CONTENDED_INSTANCES, size or CONTENDED_STEPS
+        events = contended_events(instances, steps)
         reset(self.dsn)
         started = time.monotonic()
         statuses = asyncio.run(_send_all(self.base, events, self.connections))
         elapsed = time.monotonic() - started
         bad = [status for status in statuses if status not in CONTENTION_ANSWERS]
-        wrong = contention_wrong(self.dsn)
+        wrong = contention_wrong(self.dsn, instances, steps)
         detail = "; ".join(wrong + ([f"statuses {sorted(set(bad))}"] if bad else []))
         load = Load(len(events) / elapsed, 1, math.nan, math.nan, len(bad) + len(wrong), detail)
         return self.check("contention, service", load)
@@ -1124,7 +1135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tempfile.TemporaryDirectory(prefix="steprecord-bench-") as tmp_name,
         postgres_server(Path(tmp_name)) as server,
         fresh_database(server, DB_NAME) as dsn,
-        fresh_database(server, f"{DB_NAME}_large") as large_dsn,
+        fresh_database(server, f"{DB_NAME}_large", like=DB_NAME) as large_dsn,
         with_token(args.token, dsn, large_dsn),
         service(dsn, Path(tmp_name) / "service.log") as base,
         service(large_dsn, Path(tmp_name) / "service-large.log") as large_base,
