@@ -3,17 +3,19 @@
 -- (:r) and the `complete` of the step this client started in its previous run (:prev, set
 -- with `-D prev=0` for the first run, whose complete then creates the record). Each event
 -- upserts the instance (its id derived from its key, steprecord_instance_id, as the table's
--- CHECK demands), takes the next ordinal from the instance's counter (its row lock is the
--- per-instance lock) and upserts the record; a replayed start changes nothing and a complete
--- only moves a running attempt-1 record to completed, as the transition trigger demands.
--- Variables: instances (-D), client_id (pgbench's own).
+-- CHECK demands; ON CONFLICT with no target, since a concurrent insert of the same instance
+-- may collide on either unique index, the id's or the key's), takes the next ordinal from
+-- the instance's counter (its row lock is the per-instance lock) and upserts the record; a
+-- replayed start changes nothing and a complete only moves a running attempt-1 record to
+-- completed, as the transition trigger demands. Variables: instances (-D), client_id
+-- (pgbench's own).
 \set r random(1, 2000000000)
 \set k :r % :instances + 1
 \set pk :prev % :instances + 1
 BEGIN;
 INSERT INTO process_instance (id, instance_key)
 VALUES (steprecord_instance_id('e' || :k), 'e' || :k)
-ON CONFLICT (instance_key) DO NOTHING;
+ON CONFLICT DO NOTHING;
 WITH p AS (
     UPDATE process_instance SET next_ordinal = next_ordinal + 1
     WHERE instance_key = 'e' || :k
@@ -27,7 +29,7 @@ COMMIT;
 BEGIN;
 INSERT INTO process_instance (id, instance_key)
 VALUES (steprecord_instance_id('e' || :pk), 'e' || :pk)
-ON CONFLICT (instance_key) DO NOTHING;
+ON CONFLICT DO NOTHING;
 WITH p AS (
     UPDATE process_instance SET next_ordinal = next_ordinal + 1
     WHERE instance_key = 'e' || :pk
