@@ -32,6 +32,7 @@ from app.bodies import parse_reopen
 from app.config import Settings, is_loopback, parse_duration, redact
 from app.data import repairs, retention, revision, tokens
 from app.db import AsyncConn
+from app.distribution import WorkerUnreachable
 from app.embedded import EmbeddedPostgres
 from app.errors import Problem, to_problem
 from app.limits import PREFIX_DELIMITED_RE, PREFIX_RE
@@ -119,7 +120,11 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     listened = False
     try:
         with database(settings) as url:
-            migrate(url)
+            try:
+                migrate(url)
+            except WorkerUnreachable as exc:
+                print(f"steprecord serve did not start: {exc}", file=sys.stderr)
+                return 1
             public = not is_loopback(args.host) and not args.insecure_no_auth
             if public and asyncio.run(_count_tokens(url)) == 0:
                 print(
@@ -676,7 +681,11 @@ def run(args: argparse.Namespace, p_prune: argparse.ArgumentParser) -> int:
             return asyncio.run(_token(args, url))
         if args.command == "repair":  # nor does a repair
             return asyncio.run(_repair(args, url))
-        migrate(url)
+        try:
+            migrate(url)
+        except WorkerUnreachable as exc:
+            print(f"steprecord migrate {exc}", file=sys.stderr)
+            return 1
         print(f"database {redact(url)} is at the migration head", file=sys.stderr)
     return 0
 
