@@ -30,12 +30,10 @@ names it (the migration's transaction rolled back):
    `ck_process_instance_id_derived` (id = steprecord_instance_id(instance_key)) hold it.
 4. `steprecord_apply_event` becomes a distributed function whose distribution argument is
    `p_instance_id`, co-located with `process_instance`: the coordinator sends the whole call
-   to the worker that holds the instance; so do `steprecord_apply_events_on_shard` (the
-   general statement for events whose instances live on one worker, run on their shard
-   groups' shards: a batch's events of one worker, or the one-event judge's new record or
-   late report, on the worker that call was sent to), `steprecord_reopen` (an operator's
-   repair) and `steprecord_stream_changes` (a stream's read, whose snapshot and transaction
-   ids must be that worker's).
+   to the worker that holds the instance; so do `steprecord_reopen` (an operator's repair)
+   and `steprecord_stream_changes` (a stream's read, whose snapshot and transaction ids must
+   be that worker's). (`steprecord_apply_events_on_shard`, which revisions 0023 to 0029 had,
+   is delegated too when a downgrade brings it back.)
 5. The judge's functions whose statements join distributed tables plan each statement with
    its values (`force_custom_plan`): Citus routes such a statement to one shard only when it
    sees the distribution column's value, which a generic plan hides behind a parameter.
@@ -65,8 +63,9 @@ DISTRIBUTED_TABLES = (
 # The functions delegated to the worker that holds the instance (4. above), by name: the
 # revision the database is at decides their arguments (a downgrade creates them again, as they
 # were), and each is delegated once it is there and takes `p_instance_id`. The one-event
-# judge; the general statement on one worker's shards; an operator's reopen
-# (app/sql/reopen.sql); a stream's read, whose snapshot and transaction ids are the worker's.
+# judge; the general statement on one worker's shards (before revision 0030); an operator's
+# reopen (app/sql/reopen.sql); a stream's read, whose snapshot and transaction ids are the
+# worker's.
 DELEGATED_FUNCTIONS = (
     "steprecord_apply_event",
     "steprecord_apply_events_on_shard",
