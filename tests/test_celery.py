@@ -258,6 +258,22 @@ def test_a_failing_task_is_recorded_failed_with_its_exception(
     assert (only["error_code"], only["error_message"]) == ("ValueError", "boom at 7")
 
 
+def test_a_failure_over_the_message_limit_is_recorded_with_its_head_and_its_last_line(
+    threads: Worker, raw: httpx.Client
+) -> None:
+    result = celery_tasks.deep_failure.apply_async((3000,), queue=threads.queue)
+    with pytest.raises(RuntimeError):
+        result.get(timeout=30)
+    key = str(result.id)
+    (only,) = wait_for("the failure", lambda: settled(raw, key, 1))
+    assert (only["status"], only["error_code"]) == ("failed", "RuntimeError")
+    message = only["error_message"]
+    assert len(message.encode()) <= 65536
+    assert message.startswith("Traceback (most recent call last):\n  File \"shop.py\", line 0")
+    assert message.endswith("KeyError: 'sku-3000'")
+    assert "bytes cut by steprecord_client to fit the 65536-byte limit" in message
+
+
 def test_a_revoked_running_task_is_recorded_failed_revoked(
     prefork: Worker, raw: httpx.Client
 ) -> None:

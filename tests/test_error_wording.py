@@ -116,6 +116,23 @@ def test_output_too_large_says_its_size_as_stored_and_the_limit(client: httpx.Cl
     assert "the output is 1048578 bytes" in in_batch["detail"]
 
 
+def test_a_message_over_the_limit_says_the_limit_and_that_the_python_client_fits_it(
+    client: httpx.Client,
+) -> None:
+    message = "Traceback (most recent call last):\n" + "x" * 70000 + "\nKeyError: 'sku'"
+    found = problem(
+        post(client, "fail", {"started_at": T1, "error_code": "KeyError", "error_message": message}),
+        422,
+        "validation_error",
+    )
+    size = len(message.encode())
+    assert found["errors"][0]["field"] == "error_message"
+    assert f"is {size} bytes of UTF-8, over the limit of 65536" in found["detail"]
+    assert "its head and its tail" in found["detail"]
+    assert "steprecord_client.fit_message" in found["detail"]
+    assert "Celery integration" in found["detail"]
+
+
 def test_client_surfaces_output_too_large_with_its_size(server_url: str) -> None:
     with Recorder(server_url, backoff=0.01, max_backoff=0.05) as rec:
 
