@@ -69,7 +69,9 @@ def boom(value: int) -> int:
 @app.task
 def deep_failure(depth: int) -> int:
     """Fails with a message of a deep traceback's shape: `depth` frames, then its exception."""
-    frames = "".join(f'  File "shop.py", line {n}, in step_{n}\n    step_{n + 1}()\n' for n in range(depth))
+    frames = "".join(
+        f'  File "shop.py", line {n}, in step_{n}\n    step_{n + 1}()\n' for n in range(depth)
+    )
     raise RuntimeError(f"Traceback (most recent call last):\n{frames}KeyError: 'sku-{depth}'")
 
 

@@ -269,7 +269,7 @@ def test_a_failure_over_the_message_limit_is_recorded_with_its_head_and_its_last
     assert (only["status"], only["error_code"]) == ("failed", "RuntimeError")
     message = only["error_message"]
     assert len(message.encode()) <= 65536
-    assert message.startswith("Traceback (most recent call last):\n  File \"shop.py\", line 0")
+    assert message.startswith('Traceback (most recent call last):\n  File "shop.py", line 0')
     assert message.endswith("KeyError: 'sku-3000'")
     assert "bytes cut by steprecord_client to fit the 65536-byte limit" in message
 

@@ -330,7 +330,9 @@ def test_error_code_and_message_are_made_acceptable_to_the_service(
     assert len(stored.encode("utf-8")) <= 65536
     head, marker, tail = stored.partition("\n[... ")
     sent = message.replace("\x00", "\ufffd")
-    assert marker and sent.startswith(head) and sent.endswith(tail.partition(" ...]\n")[2])
+    assert marker
+    assert sent.startswith(head)
+    assert sent.endswith(tail.partition(" ...]\n")[2])
 
 
 def test_a_traceback_over_the_limit_keeps_its_head_and_its_exception_line_and_says_what_was_cut(
@@ -351,10 +353,11 @@ def test_a_traceback_over_the_limit_keeps_its_head_and_its_exception_line_and_sa
     assert 65000 < len(stored.encode("utf-8")) <= 65536
     assert stored.startswith('Traceback (most recent call last):\n  File "app.py", line 0, in f0')
     assert stored.endswith("\nZeroDivisionError: division by zero")
-    head, marker, tail = stored.partition("\n[... ")
+    head, _marker, tail = stored.partition("\n[... ")
     cut = int(tail.split(" ", 1)[0])
     assert tail.split(" ", 1)[1].startswith("bytes cut by steprecord_client")
-    assert traceback.startswith(head) and traceback.endswith(tail.partition(" ...]\n")[2])
+    assert traceback.startswith(head)
+    assert traceback.endswith(tail.partition(" ...]\n")[2])
     assert len(head.encode()) + cut + len(tail.partition(" ...]\n")[2].encode()) == len(
         traceback.encode()
     )
@@ -366,7 +369,8 @@ def test_fit_message_keeps_a_message_within_the_limit_as_it_is_and_cuts_on_chara
         fitted = fit_message(char * 70000)
         assert len(fitted.encode("utf-8")) <= 65536  # encodes: no broken character
         head, _, rest = fitted.partition("\n[... ")
-        assert set(head) == {char} and set(rest.partition(" ...]\n")[2]) == {char}
+        assert set(head) == {char}
+        assert set(rest.partition(" ...]\n")[2]) == {char}
 
 
 def test_retries_take_new_attempts_until_the_step_succeeds(

@@ -120,8 +120,9 @@ def test_a_message_over_the_limit_says_the_limit_and_that_the_python_client_fits
     client: httpx.Client,
 ) -> None:
     message = "Traceback (most recent call last):\n" + "x" * 70000 + "\nKeyError: 'sku'"
+    failure = {"started_at": T1, "error_code": "KeyError", "error_message": message}
     found = problem(
-        post(client, "fail", {"started_at": T1, "error_code": "KeyError", "error_message": message}),
+        post(client, "fail", failure),
         422,
         "validation_error",
     )

@@ -223,8 +223,8 @@ def error_message_for(exc: BaseException) -> str | None:
 
 
 def fit_message(text: str) -> str:
-    """``text`` within the service's 65536 bytes of UTF-8: as it is when it fits, else its head and its
-    tail with a line in between saying how many bytes were cut.
+    """``text`` within the service's 65536 bytes of UTF-8: as it is when it fits, else its
+    head and its tail with a line in between saying how many bytes were cut.
 
     A traceback starts with where it began and ends with the exception itself, its most
     useful line, so both ends are kept: the first third of the room for the head, the rest
