@@ -77,6 +77,35 @@ def test_0019_refuses_undelimited_prefixes_naming_the_tokens_until_they_are_resc
     command.upgrade(config, "head")
 
 
+def test_0029_refuses_tokens_named_as_the_service_names_itself_until_they_are_renamed(
+    scratch_database: str,
+) -> None:
+    config = config_for(scratch_database)
+    command.upgrade(config, "0028")
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO api_token (name, scope, token_sha256) VALUES"
+            " ('sweeper', 'write', sha256('s')), ('cli:root', 'admin', sha256('c')),"
+            " ('ci', 'write', sha256('x'))"
+        )
+    with pytest.raises(MigrationRefused) as refused:
+        command.upgrade(config, "0029")
+    message = str(refused.value)
+    assert "the tokens cli:root, sweeper are named as the service names itself" in message
+    assert "UPDATE api_token SET name" in message
+    assert revision_of(scratch_database) == "0028"
+    assert "ck_api_token_name_not_reserved" not in constraints_of_api_token(scratch_database)
+
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        conn.execute("UPDATE api_token SET name = 'ci-sweeper' WHERE name = 'sweeper'")
+        conn.execute("DELETE FROM api_token WHERE name = 'cli:root'")
+    command.upgrade(config, "0029")
+    assert "ck_api_token_name_not_reserved" in constraints_of_api_token(scratch_database)
+    command.downgrade(config, "0028")
+    assert "ck_api_token_name_not_reserved" not in constraints_of_api_token(scratch_database)
+    command.upgrade(config, "head")
+
+
 # --- downgrades that would widen access or drop data ---------------------------------------
 
 INSTANCE = (

@@ -6,7 +6,8 @@ Most tests use the shared anonymous server (loopback: its writer is `anonymous`)
 tests run a server of their own with tokens."""
 
 import asyncio
-import getpass
+import os
+import pwd
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -347,14 +348,21 @@ def test_deleting_the_instance_removes_its_repair_log(
 def test_the_cli_s_writer_name_keeps_to_the_writers_alphabet(
     monkeypatch: pytest.MonkeyPatch, user: str, name: str | None
 ) -> None:
-    monkeypatch.setattr(getpass, "getuser", lambda: user)
+    entry = pwd.getpwuid(os.getuid())
+    named = pwd.struct_passwd((user, *entry[1:]))
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: named if uid == entry.pw_uid else None)
     written = writer_name()
     assert re.fullmatch(WRITER_NAME, written), written
     assert written == (name or ("cli:" + user)[:200])
 
 
-def test_cli_reopens_and_logs_its_writer(client: httpx.Client, database_url: str) -> None:
+def test_cli_reopens_and_logs_its_writer(
+    client: httpx.Client, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     failed(client)
+    # The environment names someone else: the writer is the user the system runs it as.
+    monkeypatch.setenv("USER", "sweeper")
+    monkeypatch.setenv("LOGNAME", "sweeper")
     done = steprecord(
         database_url, "repair", "reopen", "order-1", "charge", "--reason", REASON, "--attempt", "1"
     )
@@ -362,7 +370,7 @@ def test_cli_reopens_and_logs_its_writer(client: httpx.Client, database_url: str
     assert '"status":"pending"' in done.stdout
     assert "attempt 2" in done.stderr
     (logged,) = repairs(client)["items"]
-    assert logged["by"].startswith("cli")
+    assert logged["by"] == writer_name() == "cli:" + pwd.getpwuid(os.getuid()).pw_name
     assert logged["reason"] == REASON
     assert record(client)["updated_by"] == logged["by"]
     again = steprecord(database_url, "repair", "reopen", "order-1", "charge", "--reason", REASON)
