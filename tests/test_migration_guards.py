@@ -223,6 +223,43 @@ def test_a_downgrade_that_would_lose_data_or_widen_access_refuses_unless_forced(
     command.upgrade(config, "head")
 
 
+COMPLETED_STEP = """
+INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attempt_count,
+                                  started_at, completed_at)
+SELECT id, 'a', 0, 'completed', 1, now(), now() FROM process_instance WHERE instance_key = 'run-1'
+"""
+# Revision 0024's reopen: the only writer of the repair log.
+REOPEN = (
+    "SELECT outcome FROM steprecord_reopen(steprecord_instance_id('run-1'), 'run-1', 'a', 1,"
+    " 'charged twice', 'ops')"
+)
+
+
+def test_the_downgrade_of_0024_refuses_to_drop_the_repair_log_unless_forced(
+    scratch_database: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # At 0024 itself: above it, a reopen names its writer, and 0025 would refuse first.
+    config = config_for(scratch_database)
+    command.upgrade(config, "0024")
+    run_sql(scratch_database, [INSTANCE, COMPLETED_STEP, REOPEN])
+    with pytest.raises(MigrationRefused) as refused:
+        command.downgrade(config, "0023")
+    named = "1 repairs of 1 instances (workflow_step_repair: who reopened which step, and why)"
+    assert named in str(refused.value)
+    assert "force=true" in str(refused.value)
+    assert revision_of(scratch_database) == "0024"
+
+    forced = config_for(scratch_database)
+    forced.attributes["force"] = True
+    command.downgrade(forced, "0023")
+    assert named in capsys.readouterr().err
+    assert revision_of(scratch_database) == "0023"
+
+    command.upgrade(config, "0024")  # with no repair logged, it proceeds unforced
+    command.downgrade(config, "0023")
+    command.upgrade(config, "head")
+
+
 def test_a_downgrade_is_forced_from_alembic_s_command_line(scratch_database: str) -> None:
     config = config_for(scratch_database)
     command.upgrade(config, "head")
