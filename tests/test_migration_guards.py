@@ -77,11 +77,11 @@ def test_0019_refuses_undelimited_prefixes_naming_the_tokens_until_they_are_resc
     command.upgrade(config, "head")
 
 
-def test_0029_refuses_tokens_named_as_the_service_names_itself_until_they_are_renamed(
+def test_0030_refuses_tokens_named_as_the_service_names_itself_until_they_are_renamed(
     scratch_database: str,
 ) -> None:
     config = config_for(scratch_database)
-    command.upgrade(config, "0028")
+    command.upgrade(config, "0029")
     with psycopg.connect(scratch_database, autocommit=True) as conn:
         conn.execute(
             "INSERT INTO api_token (name, scope, token_sha256) VALUES"
@@ -89,19 +89,19 @@ def test_0029_refuses_tokens_named_as_the_service_names_itself_until_they_are_re
             " ('ci', 'write', sha256('x'))"
         )
     with pytest.raises(MigrationRefused) as refused:
-        command.upgrade(config, "0029")
+        command.upgrade(config, "0030")
     message = str(refused.value)
     assert "the tokens cli:root, sweeper are named as the service names itself" in message
     assert "UPDATE api_token SET name" in message
-    assert revision_of(scratch_database) == "0028"
+    assert revision_of(scratch_database) == "0029"
     assert "ck_api_token_name_not_reserved" not in constraints_of_api_token(scratch_database)
 
     with psycopg.connect(scratch_database, autocommit=True) as conn:
         conn.execute("UPDATE api_token SET name = 'ci-sweeper' WHERE name = 'sweeper'")
         conn.execute("DELETE FROM api_token WHERE name = 'cli:root'")
-    command.upgrade(config, "0029")
+    command.upgrade(config, "0030")
     assert "ck_api_token_name_not_reserved" in constraints_of_api_token(scratch_database)
-    command.downgrade(config, "0028")
+    command.downgrade(config, "0029")
     assert "ck_api_token_name_not_reserved" not in constraints_of_api_token(scratch_database)
     command.upgrade(config, "head")
 

@@ -22,8 +22,8 @@ Why each statement is here:
 
 Downgrade drops the constraint; nothing is lost.
 
-Revision ID: 0029
-Revises: 0028
+Revision ID: 0030
+Revises: 0029
 Create Date: 2026-12-08
 """
 
@@ -31,8 +31,8 @@ from alembic import op
 
 from migrations.guard import MigrationRefused, found
 
-revision = "0029"
-down_revision = "0028"
+revision = "0030"
+down_revision = "0029"
 branch_labels = None
 depends_on = None
 
@@ -45,7 +45,7 @@ def upgrade() -> None:
     tokens = found(TAKEN)
     if tokens is not None:
         raise MigrationRefused(
-            f"migration 0029 refused: the tokens {tokens} are named as the service names"
+            f"migration 0030 refused: the tokens {tokens} are named as the service names"
             " itself in the records it writes (anonymous, sweeper, cli, cli:USER), so what they"
             " wrote could not be told from the service's own writes. Nothing was changed."
             " Rename each token, e.g. UPDATE api_token SET name = 'ci-sweeper' WHERE name ="
