@@ -31,6 +31,10 @@ class Settings(BaseSettings):
     # Reads bypass the replica while it is down or further behind the primary than this.
     read_max_lag_seconds: float = Field(default=5.0, gt=0, le=3600)
     data_dir: Path = Field(default_factory=default_data_dir)
+    # Where `serve` listens unless --host and --port say otherwise; the other commands name
+    # this address too (`token create` shows how to reach the service with a new token).
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
     pool_size: int = Field(default=10, ge=1, le=500)
     # The connections of a worker's pool one token (or anonymous access) may hold at once;
     # its requests beyond wait up to `db_timeout`, then 429. Unset: half the pool, at least 1.
