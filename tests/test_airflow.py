@@ -101,7 +101,7 @@ def test_a_message_too_long_keeps_its_head_and_its_tail_around_a_marker() -> Non
     assert len(fitted.encode("utf-8")) <= 65536
     assert fitted.startswith("Traceback (most recent call last):")
     assert fitted.endswith("ValueError: the end")
-    assert "bytes cut here by steprecord" in fitted
+    assert "bytes cut by steprecord_client" in fitted
     assert plugin.fit_message("short\x00") == "short\ufffd"
     assert plugin.fit_message("x" * 65536) == "x" * 65536
 

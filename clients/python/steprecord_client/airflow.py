@@ -142,27 +142,14 @@ def step_slug(task_id: str, map_index: int | None = None) -> str:
 
 # --------------------------------------------------------------------------- messages
 
-_CUT_MARK: Final = (
-    "\n\n[… {cut} bytes cut here by steprecord: the head and the tail are kept …]\n\n"
-)
 
-
-def fit_message(text: str, cap: int = _core.MESSAGE_CAP) -> str:
+def fit_message(text: str) -> str:
     """``text`` as an ``error_message`` the service takes: NUL characters become U+FFFD and
-    lone surrogates ``?``; when its UTF-8 is over ``cap`` bytes, its head and its tail are
-    kept (a traceback's first frames and, most telling, its last lines and the exception)
-    around a marker saying how many bytes were cut, on character boundaries."""
-    data = text.replace("\x00", "\ufffd").encode("utf-8", "replace")
-    if len(data) <= cap:
-        return data.decode("utf-8")
-    mark = _CUT_MARK.format(cut=len(data))  # an upper bound of the digits, fixed below
-    keep = cap - len(mark.encode("utf-8"))
-    head_size = keep // 3
-    tail_size = keep - head_size
-    head = data[:head_size].decode("utf-8", "ignore")
-    tail = data[len(data) - tail_size :].decode("utf-8", "ignore")
-    cut = len(data) - len(head.encode("utf-8")) - len(tail.encode("utf-8"))
-    return head + _CUT_MARK.format(cut=cut) + tail
+    lone surrogates ``?``, then :func:`steprecord_client._core.fit_message` keeps, when its
+    UTF-8 is over 65536 bytes, its head and its tail (a traceback's first frames and, most
+    telling, its last lines and the exception) around a line saying how many bytes were cut."""
+    clean = text.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+    return _core.fit_message(clean)
 
 
 def _error_text(error: Any) -> str | None:

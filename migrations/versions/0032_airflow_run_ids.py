@@ -17,8 +17,8 @@ Downgrade narrows it back, and refuses (changing nothing) while a key holds `+` 
 naming how many and the first few: delete those instances first
 (`DELETE /v1/instances/{instance_key}`, or `steprecord prune`), then migrate down again.
 
-Revision ID: 0030
-Revises: 0029
+Revision ID: 0032
+Revises: 0031
 Create Date: 2026-12-07
 """
 
@@ -26,8 +26,8 @@ from alembic import op
 
 from migrations.guard import MigrationRefused, found
 
-revision = "0030"
-down_revision = "0029"
+revision = "0032"
+down_revision = "0031"
 branch_labels = None
 depends_on = None
 
@@ -61,7 +61,7 @@ def downgrade() -> None:
     keys = found(WIDER_KEYS)
     if keys is not None:
         raise MigrationRefused(
-            f"downgrade of 0030 refused: {keys}, which the key format before 0030 refuses."
+            f"downgrade of 0032 refused: {keys}, which the key format before 0032 refuses."
             " Nothing was changed. Delete those instances first (DELETE"
             " /v1/instances/{instance_key}, or `steprecord prune`), then migrate down again."
         )
