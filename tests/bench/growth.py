@@ -1,0 +1,438 @@
+"""Growth, measured: one node and Citus clusters of 1, 2, 3 and 4 workers on one machine, every
+PostgreSQL node capped at the same fraction of a core.
+
+Run from the repository root (as root, for the caps): `.venv/bin/python -m tests.bench.growth
+[--cap 0.2] [--duration S] [--rounds N] [--loads ...] [--no-cap]`. Linux only (it reads /proc);
+needs Citus installed in a PostgreSQL here, wrk and pgbench.
+
+Each node gets a cgroup v1 `cpu` group of its own (`/sys/fs/cgroup/cpu/steprecord-growth-PID/
+NODE`): its postmaster is put there right after it starts, with the processes it has started
+so far (the ones it starts later inherit the group). The groups are capped at `--cap` of a core
+(`cpu.cfs_quota_us` = cap * `cpu.cfs_period_us`) once every database is migrated and loaded,
+so that a node of a cluster is as large as the one node, and the machine's two cores hold a
+cluster of four workers, its coordinator and the load generator. The groups are removed at the
+end, also on failure. `--no-cap` runs without them (where cgroups are not writable): the nodes
+then share the machine's cores, and a cluster cannot pass one node.
+
+In one sitting, in a temporary directory: a one-node PostgreSQL and four clusters (a
+coordinator and 1 to 4 workers, `tests.helpers.citus_cluster`), all from the same binaries;
+a database on each, migrated with `steprecord migrate`, holding the read benchmark's table
+(`--instances` instances r1.., as tests/bench/plans.py loads it). Then each load, each side
+once briefly unmeasured and then in turn for `--rounds` rounds (the order turning each round):
+
+- calls: pgbench calling the judge's function as the service calls it (tests/bench/citus.py's
+  call): replays (a `start` of attempt 1 of an existing record) and new records (a `start` of
+  a new step of an existing instance), 16 connections to the one node or the coordinator,
+  which delegates each call to the instance's worker;
+- routed: the same calls, each pgbench client connected to one worker and calling only the
+  instances whose shards are on it (so the call runs there), 8 connections per worker (8 to
+  the one node);
+- single and batch: through `steprecord serve --workers 2` (uncapped) pointed at the one node
+  or the coordinator, wrk with events.lua and batch.lua (100 events a request), 16
+  connections, on emptied tables (these run last: emptying drops the read table).
+
+Per side: the median round's events/s, its ratio to one node's in the same run, what the last
+worker added (as a share of one node's rate), and each node's CPU time per event (its
+postmaster and every process it started, ended ones included, from /proc) with the share of its
+cap it used; then the goals. Everything started is stopped at the end, also on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import psycopg  # noqa: E402
+from psycopg.conninfo import make_conninfo  # noqa: E402
+
+from app.cli import migrate  # noqa: E402
+from tests.bench import citus, plans, run  # noqa: E402
+from tests.bench.citus import CALL, PICK, REPLAY_STEPS, Side  # noqa: E402
+from tests.bench.run import Load  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    citus_bin_path,
+    citus_cluster,
+    create_database,
+    server_directory,
+)
+
+NAME = "steprecord_bench_growth"
+CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+WORKERS = (1, 2, 3, 4)
+CONNECTIONS = 16  # to the one node or the coordinator, as the service's pools would
+ROUTED_CONNECTIONS = 8  # to each worker (and to the one node)
+WARM_UP = 2.0  # seconds each side runs unmeasured before the rounds
+LOADS = ("calls", "routed", "single", "batch")
+# A new record: a `start` of attempt 1 of a new step (one client's random slug) of an existing
+# instance, with the same arguments as citus.CALL's replay otherwise.
+NEW = (
+    "SELECT * FROM steprecord_apply_event(steprecord_instance_id(('r' || :k)::text), 0::int,"
+    " ('r' || :k)::text, ('g' || :client_id || '-' || :r)::text, 'start'::text, 1::bigint,"
+    " '2026-01-01T00:00:00Z'::timestamptz, NULL::timestamptz, NULL::text, NULL::text,"
+    " NULL::text, NULL::text, NULL::bigint, NULL::int);"
+)
+NEW_PICK = "\\set k random(1, :instances)\n\\set r random(1, 2000000000)\n"
+# The instances' shards and the workers holding them, asked of the coordinator.
+PLACEMENTS = """
+SELECT n.nodeport, array_agg(k ORDER BY k) FROM generate_series(1, %s) k
+JOIN pg_dist_placement pl ON pl.shardid = get_shard_id_for_distribution_column(
+    'process_instance', steprecord_instance_id('r' || k))
+JOIN pg_dist_node n ON n.groupid = pl.groupid
+GROUP BY n.nodeport
+"""
+NO_CGROUPS = (
+    "cannot make a cgroup under {path} ({error}): capping each node needs cgroup v1's `cpu`"
+    " controller mounted there and the right to write it (root). Run as root where it is, or"
+    " pass --no-cap to measure with every node uncapped (the nodes then share the machine's"
+    " cores, so a cluster on one machine cannot pass one node: the ratios say what a cluster"
+    " costs, not how it grows)."
+)
+
+
+class Caps:
+    """One cgroup v1 `cpu` group per node, under a group of this run's; `cap` of a core each
+    once `limit` is called (None: no groups at all)."""
+
+    def __init__(self, cap: float | None, period_us: int) -> None:
+        self.cap = cap
+        self.period_us = period_us
+        self.root = CGROUP_CPU / f"steprecord-growth-{os.getpid()}"
+        self.groups: dict[str, Path] = {}
+
+    def open(self) -> None:
+        if self.cap is not None:
+            self.root.mkdir()
+
+    def add(self, name: str, data_dir: Path) -> None:
+        """The node's postmaster into a group of its own, then what it has started so far
+        (moving the postmaster first: what it starts meanwhile inherits its group)."""
+        if self.cap is None:
+            return
+        group = self.root / name
+        group.mkdir()
+        self.groups[name] = group
+        pid = citus.postmaster(data_dir)
+        move(group, pid)
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                move(group, int(child))
+
+    def limit(self) -> None:
+        if self.cap is None:
+            return
+        for group in self.groups.values():
+            (group / "cpu.cfs_period_us").write_text(str(self.period_us))
+            (group / "cpu.cfs_quota_us").write_text(str(round(self.cap * self.period_us)))
+
+    def close(self) -> None:
+        """Whatever is left in a group back to the root group, then the groups removed."""
+        if self.cap is None or not self.root.exists():
+            return
+        for group in [*self.groups.values(), self.root]:
+            with suppress(OSError):
+                for pid in (group / "cgroup.procs").read_text().split():
+                    move(CGROUP_CPU, int(pid))
+            try:
+                group.rmdir()
+            except OSError as error:
+                print(f"could not remove the cgroup {group}: {error}", file=sys.stderr)
+
+
+def move(group: Path, pid: int) -> None:
+    with suppress(ProcessLookupError):  # it ended meanwhile
+        (group / "cgroup.procs").write_text(f"{pid}\n")
+
+
+@contextmanager
+def caps(cap: float | None, period_us: int) -> Iterator[Caps]:
+    groups = Caps(cap, period_us)
+    try:
+        groups.open()
+    except OSError as error:
+        sys.exit(NO_CGROUPS.format(path=CGROUP_CPU, error=error.strerror or error))
+    try:
+        yield groups
+    finally:
+        groups.close()
+
+
+@dataclass
+class Setup:
+    """One side's database: the one node or a cluster."""
+
+    name: str  # "one node", "1 worker", ...
+    url: str  # its database on the one node or the coordinator
+    nodes: dict[str, Path]  # node name -> data directory, as citus.cpu_now takes them
+    ports: dict[int, str]  # a worker's port -> its database's URL (none for the one node)
+    routes: dict[str, list[int]] = field(default_factory=dict)  # node URL -> instances (r<n>)
+    base: str | None = None  # the service's URL, once started
+
+
+def placements(url: str, ports: dict[int, str], instances: int) -> dict[str, list[int]]:
+    """The instances each worker holds, by the worker's database URL (`ports`: port -> URL)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(PLACEMENTS, (instances,)).fetchall()
+    routes = {ports[int(port)]: list(keys) for port, keys in rows}
+    if len(routes) != len(ports):
+        raise RuntimeError(f"some worker holds none of the {instances} instances: {routes}")
+    return routes
+
+
+def pick(keys: list[int]) -> str:
+    """pgbench lines setting :k to one of `keys` at random."""
+    if len(keys) == 1:
+        return f"\\set k {keys[0]}\n"
+    whens = " ".join(f"when :j = {n} then {key}" for n, key in enumerate(keys[:-1]))
+    return f"\\set j random(0, {len(keys) - 1})\n\\set k case {whens} else {keys[-1]} end\n"
+
+
+def script(tmp: Path, name: str, kind: str, keys: list[int] | None) -> Path:
+    """The judge's call (`kind`: replays or new), on random instances of all or of `keys`."""
+    if kind == "replays":
+        head = PICK if keys is None else pick(keys) + f"\\set s random(0, {REPLAY_STEPS - 1})\n"
+        return citus.pgbench_script(tmp, name, head + CALL + "\n")
+    head = NEW_PICK if keys is None else pick(keys) + "\\set r random(1, 2000000000)\n"
+    return citus.pgbench_script(tmp, name, head + NEW + "\n")
+
+
+def pgbench_all(runs: list[tuple[str, Path]], clients: int, seconds: float, instances: int) -> Load:
+    """pgbench on every (URL, script) at once, `clients` each: one load, their rates summed."""
+
+    def one(target: tuple[str, Path]) -> Load:
+        defines: dict[str, object] = {"instances": instances}
+        return run.pgbench(target[0], target[1], clients, seconds, defines, 1, "prepared")
+
+    with ThreadPoolExecutor(len(runs)) as pool:
+        loads = list(pool.map(one, runs))
+    return Load(
+        rate=sum(load.rate for load in loads),
+        events_per_op=1,
+        p50_ms=math.nan,
+        p99_ms=math.nan,
+        errors=sum(load.errors for load in loads),
+        detail=next((load.detail for load in loads if load.detail), ""),
+    )
+
+
+def rounds(
+    title: str,
+    sides: list[tuple[Side, Callable[[float], Load]]],
+    count: int,
+    duration: float,
+    cap: float | None,
+) -> tuple[list[str], list[float]]:
+    """Each side briefly unmeasured, then each in turn for `count` rounds of `duration` s, the
+    order turning each round; the report's lines and each side's median events/s."""
+    print(title, file=sys.stderr, flush=True)
+    for side, load in sides:
+        if side.prepare is not None:
+            side.prepare()
+        load(WARM_UP)
+    for turn in range(count):
+        shift = turn % len(sides)
+        for side, load in sides[shift:] + sides[:shift]:
+            citus.measure(side, partial(load, duration))
+    lines, rates = [title], []
+    for side, _ in sides:
+        result = run.median_of(side.runs)
+        rates.append(result.events_per_s)
+        base, previous = rates[0], rates[-2] if len(rates) > 1 else 0.0
+        if result.errors:
+            share = f"FAILED: {result.errors} errors. {result.detail[:300]}{citus.cause(side.log)}"
+        elif len(rates) == 1:
+            share = ""
+        else:
+            share = f"{result.events_per_s / base:5.2f}x"
+            if len(rates) > 2:
+                share += f", +{(result.events_per_s - previous) / base:.2f}x of one node"
+        events = max(sum(r.events_per_s for r in side.runs) * side.seconds / len(side.runs), 1)
+        cpu = ", ".join(f"{name} {s / events * 1e6:,.0f}" for name, s in side.cpu.items())
+        postgres = sum(s for name, s in side.cpu.items() if name in side.nodes) / events * 1e6
+        lines.append(f"  {side.name:10s} {result.events_per_s:8,.0f}/s  {share}")
+        lines.append(f"  {'':10s} CPU us per event: {cpu}; PostgreSQL {postgres:,.0f}")
+        if cap is not None:
+            used = ", ".join(
+                f"{name} {side.cpu.get(name, 0.0) / (cap * side.seconds):.0%}"
+                for name in side.nodes
+            )
+            lines.append(f"  {'':10s} share of its cap used: {used}")
+    return lines, rates
+
+
+def goals(curves: dict[str, list[float]]) -> list[str]:
+    """The issue's goals, met or missed, from each load's curve (one node, then 1-4 workers)."""
+    lines = ["goals (4 workers against one node; each added worker's gain, as a share of it)"]
+
+    def verdict(value: float, target: float) -> str:
+        return "met" if value >= target else f"MISSED by {target - value:.2f}x"
+
+    for name, curve in curves.items():
+        if not name.startswith("judge routed") and name != "service, single events":
+            continue
+        one, four = curve[0], curve[-1]
+        target = 2.0 if name.startswith("service") else 2.5
+        lines.append(
+            f"  {name}: 4 workers {four / one:.2f}x (>= {target}x: {verdict(four / one, target)})"
+        )
+        if name.startswith("judge routed"):
+            gains = [(curve[n] - curve[n - 1]) / one for n in range(2, len(curve))]
+            worst = min(gains)
+            listed = ", ".join(f"+{g:.2f}x" for g in gains)
+            lines.append(
+                f"    added workers 2, 3, 4: {listed} (each >= 0.5x: {verdict(worst, 0.5)})"
+            )
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cap", type=float, default=0.2, help="of a core, per node (0.2)")
+    parser.add_argument("--period-us", type=int, default=100_000, help="cpu.cfs_period_us")
+    parser.add_argument("--no-cap", action="store_true", help="no cgroups: every node uncapped")
+    parser.add_argument("--duration", type=float, default=5, help="seconds per round (5)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--instances", type=int, default=120, help="of the read table (120)")
+    parser.add_argument("--shards", type=int, default=32, help="per distributed table (32)")
+    parser.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated: {LOADS}")
+    args = parser.parse_args()
+    chosen = set(args.loads.split(","))
+    if not chosen or chosen - set(LOADS):
+        parser.error(f"--loads takes {', '.join(LOADS)}, comma-separated")
+    missing = [tool for tool in ("wrk", "pgbench") if shutil.which(tool) is None]
+    if missing:
+        sys.exit(f"missing {', '.join(missing)}; install with: {run.INSTALL}")
+    bin_path = citus_bin_path()
+    if bin_path is None:
+        sys.exit("Citus is not installed in any PostgreSQL here")
+    cap = None if args.no_cap else args.cap
+    report: list[str] = []
+    curves: dict[str, list[float]] = {}
+    with ExitStack() as stack:
+        groups = stack.enter_context(caps(cap, args.period_us))
+        root = stack.enter_context(server_directory())
+        started = time.monotonic()
+        node = stack.enter_context(citus.one_node(root, bin_path))
+        groups.add("one-node", node.data_dir)
+        one_url = create_database(node.url, NAME)
+        setups = [Setup("one node", one_url, {"one node": node.data_dir}, {})]
+        for workers in WORKERS:
+            cluster = stack.enter_context(
+                citus_cluster(root / f"w{workers}", bin_path, workers, args.shards)
+            )
+            nodes = {"coordinator": cluster.coordinator.data_dir}
+            nodes |= {f"worker{n}": w.data_dir for n, w in enumerate(cluster.workers, 1)}
+            for name, data_dir in nodes.items():
+                groups.add(f"w{workers}-{name}", data_dir)
+            url = create_database(cluster.url, NAME)
+            name = f"{workers} worker" + ("s" if workers > 1 else "")
+            ports = {int(w.port or 0): make_conninfo(w.url, dbname=NAME) for w in cluster.workers}
+            setups.append(Setup(name, url, nodes, ports))
+        for setup in setups:
+            print(f"migrating and loading {setup.name}", file=sys.stderr, flush=True)
+            migrate(setup.url)
+            plans.load(setup.url, args.instances)
+            if setup.ports:
+                setup.routes = placements(setup.url, setup.ports, args.instances)
+            else:
+                setup.routes = {setup.url: list(range(1, args.instances + 1))}
+        if {"single", "batch"} & chosen:
+            for setup in setups:
+                log = root / f"{setup.name.replace(' ', '-')}.log"
+                setup.base = stack.enter_context(run.service(setup.url, log))
+        groups.limit()
+        setup_seconds = time.monotonic() - started
+        report += run.machine(one_url)
+        capped = (
+            f"every PostgreSQL node capped at {cap:g} of a core (cgroup v1 cpu, period"
+            f" {args.period_us} us)"
+            if cap is not None
+            else "no caps (--no-cap): every node shares the machine's cores"
+        )
+        report.append(
+            f"sides:      one node; Citus clusters of a coordinator and 1-4 workers"
+            f" ({args.shards} shards); {capped}; the service and the load generators uncapped;"
+            f" {args.rounds} rounds of {args.duration:g} s per side after {WARM_UP:g} s"
+            f" unmeasured; {args.instances} instances; set up in {setup_seconds:.0f} s"
+        )
+
+        def side(setup: Setup, service: bool = False) -> Side:
+            log = root / f"{setup.name.replace(' ', '-')}.log" if service else None
+            return Side(setup.name, setup.nodes, setup.base if service else None, log=log)
+
+        for load in LOADS:
+            if load not in chosen:
+                continue
+            if load in ("calls", "routed"):
+                for kind in ("replays", "new"):
+                    sides: list[tuple[Side, Callable[[float], Load]]] = []
+                    for setup in setups:
+                        tag = setup.name.replace(" ", "-")
+                        if load == "calls":
+                            path = script(root, f"{tag}-{kind}.sql", kind, None)
+                            targets = [(setup.url, path)]
+                            clients = CONNECTIONS
+                        else:
+                            targets = [
+                                (url, script(root, f"{tag}-{kind}-{n}.sql", kind, keys))
+                                for n, (url, keys) in enumerate(setup.routes.items())
+                            ]
+                            clients = ROUTED_CONNECTIONS
+                        call = partial(pgbench_all, targets, clients, instances=args.instances)
+                        sides.append((side(setup), call))
+                    what = "replayed events" if kind == "replays" else "new records"
+                    if load == "calls":
+                        title = f"judge via coordinator, {what}"
+                        detail = f"{CONNECTIONS} connections to the one node or the coordinator"
+                    else:
+                        title = f"judge routed, {what}"
+                        detail = f"{ROUTED_CONNECTIONS} connections to each worker"
+                    lines, curves[title] = rounds(
+                        f"{title} (pgbench, {detail}), events/s",
+                        sides,
+                        args.rounds,
+                        args.duration,
+                        cap,
+                    )
+                    report += lines
+            else:
+                lua, size = ("events.lua", 1) if load == "single" else ("batch.lua", 100)
+                wrk_args = [lua[0], run.INSTANCES, CONNECTIONS, size]
+                sides = []
+                for setup in setups:
+                    this = side(setup, service=True)
+                    this.prepare = partial(run.reset, setup.url)
+                    wrk = partial(
+                        run.wrk, setup.base or "", lua, CONNECTIONS, args=wrk_args, events=size
+                    )
+                    sides.append((this, wrk))
+                title = "service, single events" if load == "single" else "service, batches"
+                lines, curves[title] = rounds(
+                    f"{title} ({lua}, {CONNECTIONS} connections), events/s",
+                    sides,
+                    args.rounds,
+                    args.duration,
+                    cap,
+                )
+                report += lines
+        report += goals(curves)
+        report.append(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print("\n".join(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
