@@ -42,11 +42,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
@@ -75,8 +76,14 @@ CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 WORKERS = (1, 2, 3, 4)
 CONNECTIONS = 16  # to the one node or the coordinator, as the service's pools would
 ROUTED_CONNECTIONS = 8  # to each worker (and to the one node)
-WARM_UP = 2.0  # seconds each side runs unmeasured before the rounds
+WARM = 3.0  # seconds of each pgbench round before its window: connections open and warm
+SERVICE_WARM_UP = 4.0  # seconds each service runs unmeasured before the rounds (its pools)
+TICK = os.sysconf("SC_CLK_TCK")
 LOADS = ("calls", "routed", "single", "batch")
+# One client (the load generator) may use a service worker's whole pool, and wait for it as
+# long as the capped database makes it: the database, not the service's admission control,
+# is what this measures.
+SERVICE_ENV = {"STEPRECORD_POOL_SHARE_PER_TOKEN": "10", "STEPRECORD_DB_TIMEOUT": "30"}
 # A new record: a `start` of attempt 1 of a new step (one client's random slug) of an existing
 # instance, with the same arguments as citus.CALL's replay otherwise.
 NEW = (
@@ -104,18 +111,26 @@ NO_CGROUPS = (
 
 
 class Caps:
-    """One cgroup v1 `cpu` group per node, under a group of this run's; `cap` of a core each
-    once `limit` is called (None: no groups at all)."""
+    """This run's cgroup v1 `cpu` groups: under one group of the run's, one group per node,
+    capped at `cap` of a core each once `limit` is called, and one uncapped for this process
+    and what it starts besides the nodes (the services, wrk, pgbench). The run's group weighs
+    `shares` against the machine's other work, so that every node gets its cap while other
+    work competes for the cores (None: no groups at all)."""
 
-    def __init__(self, cap: float | None, period_us: int) -> None:
+    def __init__(self, cap: float | None, period_us: int, shares: int) -> None:
         self.cap = cap
         self.period_us = period_us
+        self.shares = shares
         self.root = CGROUP_CPU / f"steprecord-growth-{os.getpid()}"
-        self.groups: dict[str, Path] = {}
+        self.nodes: list[Path] = []
 
     def open(self) -> None:
-        if self.cap is not None:
-            self.root.mkdir()
+        if self.cap is None:
+            return
+        self.root.mkdir()
+        (self.root / "cpu.shares").write_text(str(self.shares))
+        (self.root / "bench").mkdir()
+        move(self.root / "bench", os.getpid())
 
     def add(self, name: str, data_dir: Path) -> None:
         """The node's postmaster into a group of its own, then what it has started so far
@@ -124,7 +139,7 @@ class Caps:
             return
         group = self.root / name
         group.mkdir()
-        self.groups[name] = group
+        self.nodes.append(group)
         pid = citus.postmaster(data_dir)
         move(group, pid)
         for task in Path(f"/proc/{pid}/task").iterdir():
@@ -134,15 +149,16 @@ class Caps:
     def limit(self) -> None:
         if self.cap is None:
             return
-        for group in self.groups.values():
+        for group in self.nodes:
             (group / "cpu.cfs_period_us").write_text(str(self.period_us))
             (group / "cpu.cfs_quota_us").write_text(str(round(self.cap * self.period_us)))
 
     def close(self) -> None:
-        """Whatever is left in a group back to the root group, then the groups removed."""
+        """Whatever is left in a group back to the machine's root group, then the groups
+        removed."""
         if self.cap is None or not self.root.exists():
             return
-        for group in [*self.groups.values(), self.root]:
+        for group in [*self.nodes, self.root / "bench", self.root]:
             with suppress(OSError):
                 for pid in (group / "cgroup.procs").read_text().split():
                     move(CGROUP_CPU, int(pid))
@@ -158,13 +174,13 @@ def move(group: Path, pid: int) -> None:
 
 
 @contextmanager
-def caps(cap: float | None, period_us: int) -> Iterator[Caps]:
-    groups = Caps(cap, period_us)
+def caps(cap: float | None, period_us: int, shares: int) -> Iterator[Caps]:
+    groups = Caps(cap, period_us, shares)
     try:
-        groups.open()
-    except OSError as error:
-        sys.exit(NO_CGROUPS.format(path=CGROUP_CPU, error=error.strerror or error))
-    try:
+        try:
+            groups.open()
+        except OSError as error:
+            sys.exit(NO_CGROUPS.format(path=CGROUP_CPU, error=error.strerror or error))
         yield groups
     finally:
         groups.close()
@@ -209,45 +225,78 @@ def script(tmp: Path, name: str, kind: str, keys: list[int] | None) -> Path:
     return citus.pgbench_script(tmp, name, head + NEW + "\n")
 
 
-def pgbench_all(runs: list[tuple[str, Path]], clients: int, seconds: float, instances: int) -> Load:
-    """pgbench on every (URL, script) at once, `clients` each: one load, their rates summed."""
+def process_cpu(pid: int) -> float:
+    """CPU seconds so far of a running process (all its threads)."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
 
-    def one(target: tuple[str, Path]) -> Load:
-        defines: dict[str, object] = {"instances": instances}
-        return run.pgbench(target[0], target[1], clients, seconds, defines, 1, "prepared")
 
-    with ThreadPoolExecutor(len(runs)) as pool:
-        loads = list(pool.map(one, runs))
-    return Load(
-        rate=sum(load.rate for load in loads),
-        events_per_op=1,
-        p50_ms=math.nan,
-        p99_ms=math.nan,
-        errors=sum(load.errors for load in loads),
-        detail=next((load.detail for load in loads if load.detail), ""),
-    )
+def pgbench_round(
+    side: Side,
+    targets: list[tuple[str, Path]],
+    clients: int,
+    instances: int,
+    warm: float,
+    seconds: float,
+    logs: Path,
+) -> None:
+    """One round on `side`: pgbench on every (URL, script) at once, `clients` each, for `warm`
+    + `seconds`; counted are the calls that ended in the last `seconds` (from pgbench's
+    per-transaction logs) and the CPU spent meanwhile, once every connection has opened and
+    warmed (a new backend of a Citus node fills its caches on its first calls)."""
+    shutil.rmtree(logs, ignore_errors=True)
+    procs = []
+    for n, (url, path) in enumerate(targets):
+        (logs / str(n)).mkdir(parents=True)
+        command = ["pgbench", "--no-vacuum", "-c", str(clients), "-j", str(min(clients, run.CPUS))]
+        command += ["-T", str(math.ceil(warm + seconds) + 1), "-M", "prepared", "-f", str(path)]
+        command += ["-D", f"instances={instances}", "-l", f"--log-prefix={logs / str(n)}/tx", url]
+        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    time.sleep(warm)
+    start, before = time.time(), citus.cpu_now(side.nodes, None)
+    before["load generator"] = sum(process_cpu(proc.pid) for proc in procs)
+    time.sleep(seconds)
+    end, after = time.time(), citus.cpu_now(side.nodes, None)
+    after["load generator"] = sum(process_cpu(proc.pid) for proc in procs)
+    errors, detail = 0, ""
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        failed = re.search(rb"^number of failed transactions: (\d+)", out, re.M)
+        if proc.returncode != 0 or failed is None or int(failed[1]):
+            errors += int(failed[1]) if failed and int(failed[1]) else 1
+            detail = detail or (err or out).decode(errors="replace")[-2000:]
+    calls = 0
+    for log in logs.glob("*/tx*"):
+        for line in log.read_text().splitlines():
+            fields = line.split()  # client, transaction, time, script, epoch s, its us
+            calls += fields[2].isdigit() and start <= int(fields[4]) + int(fields[5]) / 1e6 < end
+    result = Load(calls / (end - start), 1, math.nan, math.nan, errors, detail)
+    side.runs.append(result)
+    side.seconds += end - start
+    for name in after:
+        side.cpu[name] = side.cpu.get(name, 0.0) + after[name] - before[name]
+    print(f"  {side.name}: {result.events_per_s:,.0f}/s, errors {errors}", file=sys.stderr)
 
 
 def rounds(
     title: str,
-    sides: list[tuple[Side, Callable[[float], Load]]],
+    sides: list[tuple[Side, Callable[[], None], Callable[[], None] | None]],
     count: int,
-    duration: float,
     cap: float | None,
 ) -> tuple[list[str], list[float]]:
-    """Each side briefly unmeasured, then each in turn for `count` rounds of `duration` s, the
-    order turning each round; the report's lines and each side's median events/s."""
+    """Each side's warm-up (if any), then one round of each side in turn, `count` times, the
+    order turning each time; the report's lines and each side's median events/s."""
     print(title, file=sys.stderr, flush=True)
-    for side, load in sides:
-        if side.prepare is not None:
-            side.prepare()
-        load(WARM_UP)
+    for _, _, warm_up in sides:
+        if warm_up is not None:
+            warm_up()
     for turn in range(count):
         shift = turn % len(sides)
-        for side, load in sides[shift:] + sides[:shift]:
-            citus.measure(side, partial(load, duration))
+        for _, measure, _ in sides[shift:] + sides[:shift]:
+            measure()
     lines, rates = [title], []
-    for side, _ in sides:
+    for side, _, _ in sides:
         result = run.median_of(side.runs)
         rates.append(result.events_per_s)
         base, previous = rates[0], rates[-2] if len(rates) > 1 else 0.0
@@ -258,7 +307,7 @@ def rounds(
         else:
             share = f"{result.events_per_s / base:5.2f}x"
             if len(rates) > 2:
-                share += f", +{(result.events_per_s - previous) / base:.2f}x of one node"
+                share += f", {(result.events_per_s - previous) / base:+.2f}x of one node"
         events = max(sum(r.events_per_s for r in side.runs) * side.seconds / len(side.runs), 1)
         cpu = ", ".join(f"{name} {s / events * 1e6:,.0f}" for name, s in side.cpu.items())
         postgres = sum(s for name, s in side.cpu.items() if name in side.nodes) / events * 1e6
@@ -271,6 +320,74 @@ def rounds(
             )
             lines.append(f"  {'':10s} share of its cap used: {used}")
     return lines, rates
+
+
+def judge(
+    root: Path,
+    setups: list[Setup],
+    load: str,
+    kind: str,
+    args: argparse.Namespace,
+    cap: float | None,
+) -> tuple[list[str], str, list[float]]:
+    """The judge's calls (`kind`: replays or new) by pgbench, through the one node or the
+    coordinator (`load` calls) or each worker for its own instances (routed)."""
+    sides: list[tuple[Side, Callable[[], None], Callable[[], None] | None]] = []
+    for setup in setups:
+        tag = setup.name.replace(" ", "-")
+        if load == "calls":
+            targets = [(setup.url, script(root, f"{tag}-{kind}.sql", kind, None))]
+            clients = CONNECTIONS
+        else:
+            targets = [
+                (url, script(root, f"{tag}-{kind}-{n}.sql", kind, keys))
+                for n, (url, keys) in enumerate(setup.routes.items())
+            ]
+            clients = ROUTED_CONNECTIONS
+        side = Side(setup.name, setup.nodes, None)
+        logs = root / "pgbench" / tag
+        measure = partial(
+            pgbench_round, side, targets, clients, args.instances, WARM, args.duration, logs
+        )
+        sides.append((side, measure, None))
+    what = "replayed events" if kind == "replays" else "new records"
+    if load == "calls":
+        title = f"judge via coordinator, {what}"
+        detail = f"{CONNECTIONS} connections to the one node or the coordinator"
+    else:
+        title = f"judge routed, {what}"
+        detail = f"{ROUTED_CONNECTIONS} connections to each worker (to the one node)"
+    lines, rates = rounds(f"{title} (pgbench, {detail}), events/s", sides, args.rounds, cap)
+    return lines, title, rates
+
+
+def through_service(
+    root: Path, setups: list[Setup], load: str, args: argparse.Namespace, cap: float | None
+) -> tuple[list[str], str, list[float]]:
+    """Single events or batches through each side's service, on emptied tables."""
+    lua, size = ("events.lua", 1) if load == "single" else ("batch.lua", 100)
+    wrk_args = [lua[0], run.INSTANCES, CONNECTIONS, size]
+    sides: list[tuple[Side, Callable[[], None], Callable[[], None] | None]] = []
+    for setup in setups:
+        side = Side(setup.name, setup.nodes, setup.base, log=service_log(root, setup))
+        side.prepare = partial(run.reset, setup.url)
+        wrk = partial(run.wrk, setup.base or "", lua, CONNECTIONS, args=wrk_args, events=size)
+        measure = partial(citus.measure, side, partial(wrk, args.duration))
+        sides.append((side, measure, partial(warm_up, side.prepare, partial(wrk, SERVICE_WARM_UP))))
+    title = "service, single events" if load == "single" else "service, batches"
+    lines, rates = rounds(
+        f"{title} ({lua}, {CONNECTIONS} connections), events/s", sides, args.rounds, cap
+    )
+    return lines, title, rates
+
+
+def warm_up(prepare: Callable[[], None], load: Callable[[], Load]) -> None:
+    prepare()
+    load()
+
+
+def service_log(root: Path, setup: Setup) -> Path:
+    return root / f"{setup.name.replace(' ', '-')}.log"
 
 
 def goals(curves: dict[str, list[float]]) -> list[str]:
@@ -303,7 +420,10 @@ def main() -> int:
     parser.add_argument("--cap", type=float, default=0.2, help="of a core, per node (0.2)")
     parser.add_argument("--period-us", type=int, default=100_000, help="cpu.cfs_period_us")
     parser.add_argument("--no-cap", action="store_true", help="no cgroups: every node uncapped")
-    parser.add_argument("--duration", type=float, default=5, help="seconds per round (5)")
+    parser.add_argument(
+        "--shares", type=int, default=32768, help="cpu.shares of the run's group (32768)"
+    )
+    parser.add_argument("--duration", type=float, default=4, help="seconds per round (4)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--instances", type=int, default=120, help="of the read table (120)")
     parser.add_argument("--shards", type=int, default=32, help="per distributed table (32)")
@@ -322,7 +442,7 @@ def main() -> int:
     report: list[str] = []
     curves: dict[str, list[float]] = {}
     with ExitStack() as stack:
-        groups = stack.enter_context(caps(cap, args.period_us))
+        groups = stack.enter_context(caps(cap, args.period_us, args.shares))
         root = stack.enter_context(server_directory())
         started = time.monotonic()
         node = stack.enter_context(citus.one_node(root, bin_path))
@@ -351,8 +471,8 @@ def main() -> int:
                 setup.routes = {setup.url: list(range(1, args.instances + 1))}
         if {"single", "batch"} & chosen:
             for setup in setups:
-                log = root / f"{setup.name.replace(' ', '-')}.log"
-                setup.base = stack.enter_context(run.service(setup.url, log))
+                service = run.service(setup.url, service_log(root, setup), env=SERVICE_ENV)
+                setup.base = stack.enter_context(service)
         groups.limit()
         setup_seconds = time.monotonic() - started
         report += run.machine(one_url)
@@ -364,70 +484,22 @@ def main() -> int:
         )
         report.append(
             f"sides:      one node; Citus clusters of a coordinator and 1-4 workers"
-            f" ({args.shards} shards); {capped}; the service and the load generators uncapped;"
-            f" {args.rounds} rounds of {args.duration:g} s per side after {WARM_UP:g} s"
-            f" unmeasured; {args.instances} instances; set up in {setup_seconds:.0f} s"
+            f" ({args.shards} shards); {capped}; the services and load generators uncapped;"
+            f" {args.rounds} rounds of {args.duration:g} s per side (pgbench: after {WARM:g} s"
+            f" of warm-up in each round; the services: after {SERVICE_WARM_UP:g} s once);"
+            f" {args.instances} instances; set up in {setup_seconds:.0f} s"
         )
 
-        def side(setup: Setup, service: bool = False) -> Side:
-            log = root / f"{setup.name.replace(' ', '-')}.log" if service else None
-            return Side(setup.name, setup.nodes, setup.base if service else None, log=log)
-
-        for load in LOADS:
-            if load not in chosen:
-                continue
+        for load in (load for load in LOADS if load in chosen):
             if load in ("calls", "routed"):
                 for kind in ("replays", "new"):
-                    sides: list[tuple[Side, Callable[[float], Load]]] = []
-                    for setup in setups:
-                        tag = setup.name.replace(" ", "-")
-                        if load == "calls":
-                            path = script(root, f"{tag}-{kind}.sql", kind, None)
-                            targets = [(setup.url, path)]
-                            clients = CONNECTIONS
-                        else:
-                            targets = [
-                                (url, script(root, f"{tag}-{kind}-{n}.sql", kind, keys))
-                                for n, (url, keys) in enumerate(setup.routes.items())
-                            ]
-                            clients = ROUTED_CONNECTIONS
-                        call = partial(pgbench_all, targets, clients, instances=args.instances)
-                        sides.append((side(setup), call))
-                    what = "replayed events" if kind == "replays" else "new records"
-                    if load == "calls":
-                        title = f"judge via coordinator, {what}"
-                        detail = f"{CONNECTIONS} connections to the one node or the coordinator"
-                    else:
-                        title = f"judge routed, {what}"
-                        detail = f"{ROUTED_CONNECTIONS} connections to each worker"
-                    lines, curves[title] = rounds(
-                        f"{title} (pgbench, {detail}), events/s",
-                        sides,
-                        args.rounds,
-                        args.duration,
-                        cap,
-                    )
+                    lines, title, rates = judge(root, setups, load, kind, args, cap)
                     report += lines
+                    curves[title] = rates
             else:
-                lua, size = ("events.lua", 1) if load == "single" else ("batch.lua", 100)
-                wrk_args = [lua[0], run.INSTANCES, CONNECTIONS, size]
-                sides = []
-                for setup in setups:
-                    this = side(setup, service=True)
-                    this.prepare = partial(run.reset, setup.url)
-                    wrk = partial(
-                        run.wrk, setup.base or "", lua, CONNECTIONS, args=wrk_args, events=size
-                    )
-                    sides.append((this, wrk))
-                title = "service, single events" if load == "single" else "service, batches"
-                lines, curves[title] = rounds(
-                    f"{title} ({lua}, {CONNECTIONS} connections), events/s",
-                    sides,
-                    args.rounds,
-                    args.duration,
-                    cap,
-                )
+                lines, title, rates = through_service(root, setups, load, args, cap)
                 report += lines
+                curves[title] = rates
         report += goals(curves)
         report.append(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print("\n".join(report))
