@@ -76,8 +76,10 @@ CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 WORKERS = (1, 2, 3, 4)
 CONNECTIONS = 16  # to the one node or the coordinator, as the service's pools would
 ROUTED_CONNECTIONS = 8  # to each worker (and to the one node)
-WARM = 3.0  # seconds of each pgbench round before its window: connections open and warm
-SERVICE_WARM_UP = 4.0  # seconds each service runs unmeasured before the rounds (its pools)
+WARM = 3.0  # seconds of each pgbench round, uncapped, before its window: connections warm up
+SETTLE = 0.3  # seconds between capping again and the window (a few periods)
+SERVICE_WARM_UP = 6.0  # seconds each service runs uncapped before the rounds: its pools warm up
+BATCH = (10, 8)  # events per request, connections: a request on a capped cluster takes seconds
 TICK = os.sysconf("SC_CLK_TCK")
 LOADS = ("calls", "routed", "single", "batch")
 # One client (the load generator) may use a service worker's whole pool, and wait for it as
@@ -132,11 +134,11 @@ class Caps:
         (self.root / "bench").mkdir()
         move(self.root / "bench", os.getpid())
 
-    def add(self, name: str, data_dir: Path) -> None:
+    def add(self, name: str, data_dir: Path) -> Path | None:
         """The node's postmaster into a group of its own, then what it has started so far
         (moving the postmaster first: what it starts meanwhile inherits its group)."""
         if self.cap is None:
-            return
+            return None
         group = self.root / name
         group.mkdir()
         self.nodes.append(group)
@@ -145,13 +147,20 @@ class Caps:
         for task in Path(f"/proc/{pid}/task").iterdir():
             for child in (task / "children").read_text().split():
                 move(group, int(child))
+        return group
 
-    def limit(self) -> None:
+    def limit(self, groups: list[Path] | None = None) -> None:
+        """Each node's group (or each of `groups`) capped."""
         if self.cap is None:
             return
-        for group in self.nodes:
+        for group in self.nodes if groups is None else groups:
             (group / "cpu.cfs_period_us").write_text(str(self.period_us))
             (group / "cpu.cfs_quota_us").write_text(str(round(self.cap * self.period_us)))
+
+    def release(self, groups: list[Path]) -> None:
+        """The groups uncapped, while a side's new connections open and fill their caches."""
+        for group in groups:
+            (group / "cpu.cfs_quota_us").write_text("-1")
 
     def close(self) -> None:
         """Whatever is left in a group back to the machine's root group, then the groups
@@ -195,6 +204,7 @@ class Setup:
     nodes: dict[str, Path]  # node name -> data directory, as citus.cpu_now takes them
     ports: dict[int, str]  # a worker's port -> its database's URL (none for the one node)
     routes: dict[str, list[int]] = field(default_factory=dict)  # node URL -> instances (r<n>)
+    groups: list[Path] = field(default_factory=list)  # its nodes' cgroups
     base: str | None = None  # the service's URL, once started
 
 
@@ -237,23 +247,29 @@ def pgbench_round(
     targets: list[tuple[str, Path]],
     clients: int,
     instances: int,
-    warm: float,
     seconds: float,
     logs: Path,
+    caps: Caps,
+    groups: list[Path],
 ) -> None:
-    """One round on `side`: pgbench on every (URL, script) at once, `clients` each, for `warm`
-    + `seconds`; counted are the calls that ended in the last `seconds` (from pgbench's
-    per-transaction logs) and the CPU spent meanwhile, once every connection has opened and
-    warmed (a new backend of a Citus node fills its caches on its first calls)."""
+    """One round on `side`: pgbench on every (URL, script) at once, `clients` each. For WARM
+    seconds the side's nodes run uncapped (`groups`), while its connections open and fill
+    their caches (a new backend of a Citus node plans the function's statements for each shard
+    it reaches, several ms of CPU each); then capped again, and counted are the calls that end
+    in the next `seconds` (from pgbench's per-transaction logs) and the CPU spent meanwhile."""
     shutil.rmtree(logs, ignore_errors=True)
+    caps.release(groups)
     procs = []
     for n, (url, path) in enumerate(targets):
         (logs / str(n)).mkdir(parents=True)
         command = ["pgbench", "--no-vacuum", "-c", str(clients), "-j", str(min(clients, run.CPUS))]
-        command += ["-T", str(math.ceil(warm + seconds) + 1), "-M", "prepared", "-f", str(path)]
+        command += ["-T", str(math.ceil(WARM + SETTLE + seconds) + 1), "-M", "prepared"]
+        command += ["-f", str(path)]
         command += ["-D", f"instances={instances}", "-l", f"--log-prefix={logs / str(n)}/tx", url]
         procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    time.sleep(warm)
+    time.sleep(WARM)
+    caps.limit(groups)
+    time.sleep(SETTLE)
     start, before = time.time(), citus.cpu_now(side.nodes, None)
     before["load generator"] = sum(process_cpu(proc.pid) for proc in procs)
     time.sleep(seconds)
@@ -323,12 +339,7 @@ def rounds(
 
 
 def judge(
-    root: Path,
-    setups: list[Setup],
-    load: str,
-    kind: str,
-    args: argparse.Namespace,
-    cap: float | None,
+    root: Path, setups: list[Setup], load: str, kind: str, args: argparse.Namespace, caps: Caps
 ) -> tuple[list[str], str, list[float]]:
     """The judge's calls (`kind`: replays or new) by pgbench, through the one node or the
     coordinator (`load` calls) or each worker for its own instances (routed)."""
@@ -347,9 +358,9 @@ def judge(
         side = Side(setup.name, setup.nodes, None)
         logs = root / "pgbench" / tag
         measure = partial(
-            pgbench_round, side, targets, clients, args.instances, WARM, args.duration, logs
+            pgbench_round, side, targets, clients, args.instances, args.duration, logs, caps
         )
-        sides.append((side, measure, None))
+        sides.append((side, partial(measure, setup.groups), None))
     what = "replayed events" if kind == "replays" else "new records"
     if load == "calls":
         title = f"judge via coordinator, {what}"
@@ -357,33 +368,38 @@ def judge(
     else:
         title = f"judge routed, {what}"
         detail = f"{ROUTED_CONNECTIONS} connections to each worker (to the one node)"
-    lines, rates = rounds(f"{title} (pgbench, {detail}), events/s", sides, args.rounds, cap)
+    lines, rates = rounds(f"{title} (pgbench, {detail}), events/s", sides, args.rounds, caps.cap)
     return lines, title, rates
 
 
 def through_service(
-    root: Path, setups: list[Setup], load: str, args: argparse.Namespace, cap: float | None
+    root: Path, setups: list[Setup], load: str, args: argparse.Namespace, caps: Caps
 ) -> tuple[list[str], str, list[float]]:
-    """Single events or batches through each side's service, on emptied tables."""
-    lua, size = ("events.lua", 1) if load == "single" else ("batch.lua", 100)
-    wrk_args = [lua[0], run.INSTANCES, CONNECTIONS, size]
+    """Single events or batches through each side's service (its pools warmed up first, the
+    side's nodes uncapped meanwhile)."""
+    lua, size, connections = ("events.lua", 1, CONNECTIONS)
+    if load == "batch":
+        lua, (size, connections) = "batch.lua", BATCH
+    wrk_args = [lua[0], run.INSTANCES, connections, size]
     sides: list[tuple[Side, Callable[[], None], Callable[[], None] | None]] = []
     for setup in setups:
         side = Side(setup.name, setup.nodes, setup.base, log=service_log(root, setup))
-        side.prepare = partial(run.reset, setup.url)
-        wrk = partial(run.wrk, setup.base or "", lua, CONNECTIONS, args=wrk_args, events=size)
+        wrk = partial(run.wrk, setup.base or "", lua, connections, args=wrk_args, events=size)
         measure = partial(citus.measure, side, partial(wrk, args.duration))
-        sides.append((side, measure, partial(warm_up, side.prepare, partial(wrk, SERVICE_WARM_UP))))
-    title = "service, single events" if load == "single" else "service, batches"
-    lines, rates = rounds(
-        f"{title} ({lua}, {CONNECTIONS} connections), events/s", sides, args.rounds, cap
-    )
+        sides.append((side, measure, partial(warm_up, caps, setup.groups, wrk)))
+    title = "service, single events" if load == "single" else f"service, batches of {size}"
+    head = f"{title} ({lua}, {connections} connections), events/s"
+    lines, rates = rounds(head, sides, args.rounds, caps.cap)
     return lines, title, rates
 
 
-def warm_up(prepare: Callable[[], None], load: Callable[[], Load]) -> None:
-    prepare()
-    load()
+def warm_up(caps: Caps, groups: list[Path], load: Callable[[float], Load]) -> None:
+    """The load for SERVICE_WARM_UP seconds with the side's nodes uncapped."""
+    caps.release(groups)
+    try:
+        load(SERVICE_WARM_UP)
+    finally:
+        caps.limit(groups)
 
 
 def service_log(root: Path, setup: Setup) -> Path:
@@ -446,21 +462,22 @@ def main() -> int:
         root = stack.enter_context(server_directory())
         started = time.monotonic()
         node = stack.enter_context(citus.one_node(root, bin_path))
-        groups.add("one-node", node.data_dir)
+        one_group = groups.add("one-node", node.data_dir)
         one_url = create_database(node.url, NAME)
         setups = [Setup("one node", one_url, {"one node": node.data_dir}, {})]
+        setups[0].groups = [one_group] if one_group else []
         for workers in WORKERS:
             cluster = stack.enter_context(
                 citus_cluster(root / f"w{workers}", bin_path, workers, args.shards)
             )
             nodes = {"coordinator": cluster.coordinator.data_dir}
             nodes |= {f"worker{n}": w.data_dir for n, w in enumerate(cluster.workers, 1)}
-            for name, data_dir in nodes.items():
-                groups.add(f"w{workers}-{name}", data_dir)
+            added = [groups.add(f"w{workers}-{name}", path) for name, path in nodes.items()]
             url = create_database(cluster.url, NAME)
             name = f"{workers} worker" + ("s" if workers > 1 else "")
             ports = {int(w.port or 0): make_conninfo(w.url, dbname=NAME) for w in cluster.workers}
             setups.append(Setup(name, url, nodes, ports))
+            setups[-1].groups = [group for group in added if group is not None]
         for setup in setups:
             print(f"migrating and loading {setup.name}", file=sys.stderr, flush=True)
             migrate(setup.url)
@@ -493,11 +510,11 @@ def main() -> int:
         for load in (load for load in LOADS if load in chosen):
             if load in ("calls", "routed"):
                 for kind in ("replays", "new"):
-                    lines, title, rates = judge(root, setups, load, kind, args, cap)
+                    lines, title, rates = judge(root, setups, load, kind, args, groups)
                     report += lines
                     curves[title] = rates
             else:
-                lines, title, rates = through_service(root, setups, load, args, cap)
+                lines, title, rates = through_service(root, setups, load, args, groups)
                 report += lines
                 curves[title] = rates
         report += goals(curves)
