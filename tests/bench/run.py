@@ -43,6 +43,7 @@ from psycopg.conninfo import make_conninfo  # noqa: E402
 
 from app.access import new_token  # noqa: E402
 from app.cli import migrate  # noqa: E402
+from app.data.reads import PAGE_READ_BYTES  # noqa: E402
 from app.embedded import EmbeddedPostgres  # noqa: E402
 from tests.bench import queries  # noqa: E402
 
@@ -346,7 +347,8 @@ def limit_read_script(order: str, path: Path) -> Path:
     arguments the service passes for the first page (app/data/reads.py, `list_steps`)."""
     call = (
         f"SELECT * FROM steprecord_list_page(('r' || :k)::text, '{order}'::text, -1::integer,"
-        f" '-infinity'::timestamptz, 0::bigint, NULL::text[], {READ_LIMIT + 1}::integer)"
+        f" '-infinity'::timestamptz, 0::bigint, NULL::text[], {READ_LIMIT + 1}::integer,"
+        f" {PAGE_READ_BYTES}::bigint)"
     )
     path.write_text(f"\\set k random(1, :instances)\n{call};\n")
     return path
