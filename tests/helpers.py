@@ -531,6 +531,29 @@ def migrated_database(server_dsn: str, prefix: str) -> Iterator[str]:
         drop_database(server_dsn, name)
 
 
+@contextmanager
+def owned_database(server_dsn: str, prefix: str) -> Iterator[str]:
+    """An empty database owned by a role of its own that holds no other right (no superuser,
+    no CREATEDB, no CREATEROLE), as on a managed PostgreSQL: the URL that logs in as that
+    role. On a Citus coordinator the role is made on every node (Citus propagates it) and owns
+    the database on each. Both are dropped afterwards."""
+    name = prefix + uuid.uuid4().hex[:8]
+    url = create_database(server_dsn, name)
+    nodes = (server_dsn, *citus_workers(server_dsn))
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(f"CREATE ROLE {name} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE")
+        for dsn in nodes:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute(f'ALTER DATABASE "{name}" OWNER TO {name}')
+        yield psycopg.conninfo.make_conninfo(url, user=name)
+    finally:
+        drop_database(server_dsn, name)
+        for dsn in nodes:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute(f"DROP ROLE IF EXISTS {name}")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

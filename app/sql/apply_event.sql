@@ -35,8 +35,9 @@
 -- worker its plan on the local shard is kept too (plan_cache_mode = force_generic_plan, as
 -- on one node), instead of being planned again, twice, on every call.
 --
--- steprecord.trace_id = '', restored when the call returns, and set first (as in
--- apply_events.sql): the attempt an update of 3 starts keeps this call's trace id.
+-- steprecord.trace_id for the call only, set first by set_config and restored at the end (as
+-- in apply_events.sql, which says why not by a `SET` clause): the attempt an update of 3
+-- starts keeps this call's trace id.
 CREATE OR REPLACE FUNCTION steprecord_apply_event(
     p_instance_id bigint, p_i int, p_instance_key text, p_step_slug text, p_kind text, p_attempt bigint,
     p_started_at timestamptz, p_completed_at timestamptz, p_output text,
@@ -51,7 +52,6 @@ CREATE OR REPLACE FUNCTION steprecord_apply_event(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
-SET steprecord.trace_id = ''
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -59,6 +59,7 @@ DECLARE
     -- of a distributed table, so the statements below never call a clock.
     v_now timestamptz := clock_timestamp();
     judged record;
+    v_trace text := current_setting('steprecord.trace_id', true);  -- restored at the end
 BEGIN
     PERFORM set_config('steprecord.trace_id', coalesce(p_trace_id, ''), true);
 
@@ -126,5 +127,6 @@ BEGIN
             judged.completed_at, judged.lease_expires_at, judged.error_code,
             judged.error_message, judged.created_at, judged.updated_at, judged.updated_by;
     END IF;
+    PERFORM set_config('steprecord.trace_id', coalesce(v_trace, ''), true);
 END
 $fn$;

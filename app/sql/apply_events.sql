@@ -53,10 +53,13 @@
 -- plan_cache_mode = force_generic_plan: every access is by key, so the plan does not depend
 -- on the arrays' contents; one generic plan, made once per connection, serves every call
 -- (a custom plan would be made again, at the full planning cost, on every call).
--- steprecord.writer = 'judge', for the call only: the history's guard lets the judge, and
--- nothing else, write a late report into the history (attempt_history.sql).
--- steprecord.trace_id = '', restored when the call returns: the trace id set below holds
--- for this call's writes only, never for later statements of the same transaction.
+-- steprecord.writer = 'judge' and steprecord.trace_id, for the call only: set first by
+-- set_config, and the values they had before restored after the statement. The history's
+-- guard lets the judge write a late report into the history (attempt_history.sql); the
+-- trace id is this call's (below). Set in the body, not by `SET` clauses of the function: a
+-- `SET` clause of a setting no extension defines (a placeholder) needs a superuser or
+-- `GRANT SET ON PARAMETER` to create the function, and the service migrates as the
+-- database's owner with no other right. (A call that fails rolls them back with itself.)
 CREATE OR REPLACE FUNCTION steprecord_apply_events(
     p_i int[], p_instance_key text[], p_step_slug text[], p_kind text[], p_attempt bigint[],
     p_started_at timestamptz[], p_completed_at timestamptz[], p_output text[],
@@ -72,8 +75,6 @@ CREATE OR REPLACE FUNCTION steprecord_apply_events(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
-SET steprecord.writer = 'judge'
-SET steprecord.trace_id = ''
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -87,7 +88,11 @@ DECLARE
     -- which is what lets it lock rows (FOR UPDATE) and write in one statement. On one node
     -- the condition repeats what the keys already say.
     v_ids bigint[] := ARRAY(SELECT DISTINCT steprecord_instance_id(k) FROM unnest(p_instance_key) k);
+    -- The settings as the caller left them, restored at the end.
+    v_writer text := current_setting('steprecord.writer', true);
+    v_trace text := current_setting('steprecord.trace_id', true);
 BEGIN
+    PERFORM set_config('steprecord.writer', 'judge', true);
     -- The trace id of this call, set first and always (an empty string for none), so that a
     -- value never carries over from an earlier call of the same transaction. The history's
     -- rows are written by the record's triggers (attempt_history.sql), which do not name
@@ -380,5 +385,7 @@ BEGIN
            NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
            NULL
     FROM collided c;
+    PERFORM set_config('steprecord.writer', coalesce(v_writer, ''), true);
+    PERFORM set_config('steprecord.trace_id', coalesce(v_trace, ''), true);
 END
 $fn$;

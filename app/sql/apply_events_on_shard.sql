@@ -29,6 +29,8 @@
 -- instance lives on another worker (the caller groups a batch's events by worker:
 -- app/data/judge.py), or a call inside a transaction block, which Citus does not delegate
 -- (call it alone).
+-- steprecord.writer = 'judge' and the trace id for the call only, set first by set_config
+-- and restored at the end, as apply_events.sql does and says why.
 CREATE OR REPLACE FUNCTION steprecord_apply_events_on_shard(
     p_instance_id bigint, p_i int[], p_instance_key text[], p_step_slug text[], p_kind text[],
     p_attempt bigint[], p_started_at timestamptz[], p_completed_at timestamptz[],
@@ -44,8 +46,6 @@ CREATE OR REPLACE FUNCTION steprecord_apply_events_on_shard(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
-SET steprecord.writer = 'judge'
-SET steprecord.trace_id = ''
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -56,6 +56,8 @@ DECLARE
     v_shard_table text;
     v_name text;
     v_version text;
+    v_writer text := current_setting('steprecord.writer', true);  -- restored at the end
+    v_trace text := current_setting('steprecord.trace_id', true);
 BEGIN
     IF to_regprocedure('get_shard_id_for_distribution_column(regclass,"any")') IS NULL THEN
         RETURN QUERY SELECT * FROM steprecord_apply_events(
@@ -64,6 +66,7 @@ BEGIN
             p_lease_seconds, p_trace_id, p_reported_by);
         RETURN;
     END IF;
+    PERFORM set_config('steprecord.writer', 'judge', true);
     PERFORM set_config('steprecord.trace_id', coalesce(p_trace_id, ''), true);
     SELECT p.xmin::text INTO v_version
     FROM pg_proc p WHERE p.oid = 'steprecord_apply_events(int[], text[], text[], text[],
@@ -107,8 +110,10 @@ BEGIN
         -- transactional): the catalog is asked then, and the setting written again.
         IF current_setting('steprecord.' || v_name, true) IS DISTINCT FROM 'prepared' THEN
             IF NOT EXISTS (SELECT 1 FROM pg_prepared_statements s WHERE s.name = v_name) THEN
-                -- The general statement: the text between RETURN QUERY and the END of its body.
-                SELECT substring(p.prosrc FROM 'RETURN QUERY(.*);\s*END\s*$') INTO v_statement
+                -- The general statement: the text between RETURN QUERY and the first
+                -- statement after it, the restore of the writer.
+                SELECT substring(p.prosrc FROM 'RETURN QUERY(.*?);\s*PERFORM set_config\(''steprecord.writer''')
+                INTO v_statement
                 FROM pg_proc p
                 WHERE p.oid = 'steprecord_apply_events(int[], text[], text[], text[], bigint[],
                                timestamptz[], timestamptz[], text[], text[], text[], text[],
@@ -155,5 +160,7 @@ BEGIN
             v_group.external_output_url, v_group.error_code, v_group.error_message,
             v_group.ordinal, v_group.lease_seconds, v_now, v_group.ids, p_reported_by);
     END LOOP;
+    PERFORM set_config('steprecord.writer', coalesce(v_writer, ''), true);
+    PERFORM set_config('steprecord.trace_id', coalesce(v_trace, ''), true);
 END
 $fn$;

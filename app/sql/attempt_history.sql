@@ -133,7 +133,7 @@ FOR EACH ROW EXECUTE FUNCTION workflow_step_record_history_update();
 --     instance still cascades: the cascade runs as a trigger too);
 --   * one exception, the judge's late report of an older attempt (apply_events.sql, its
 --     `late` steps), written while the judge runs (steprecord.writer = 'judge', set by
---     the judge's functions for their call only): it may insert an attempt's terminal
+--     the judge's functions for the rest of their transaction): it may insert an attempt's terminal
 --     entry where there was none, or turn a `superseded` entry into its own terminal
 --     report, and nothing else;
 --   * a finished attempt never changes, and a superseded one only by that late report;

@@ -26,8 +26,8 @@ BEGIN
         why := format('(attempt_count, rank) may not go back from (%s, %s) to (%s, %s)',
                       OLD.attempt_count, old_rank, NEW.attempt_count, new_rank);
     -- Back to pending at a higher attempt: only an operator's reopen of a finished record
-    -- (steprecord_reopen, reopen.sql, which sets steprecord.writer = 'repair' for its call
-    -- and logs the repair). Every event starts the next attempt running or finished.
+    -- (steprecord_reopen, reopen.sql, which sets steprecord.writer = 'repair' for its
+    -- transaction and logs the repair). Every event starts the next attempt running or finished.
     ELSIF NEW.status = 'pending' AND NEW.attempt_count > OLD.attempt_count
           AND NOT (OLD.status IN ('completed', 'failed')
                    AND NEW.attempt_count = OLD.attempt_count + 1

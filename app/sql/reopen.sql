@@ -24,9 +24,10 @@
 -- The history is left to the record's triggers (attempt_history.sql): a pending record has
 -- no attempt, so attempt N's entry stays as it was, and the next start runs attempt N+1.
 --
--- steprecord.writer = 'repair' for the call only (restored when it returns): the record's
--- guard (record_guard.sql) lets a finished record go back to pending at the next attempt,
--- and the repair log's guard lets a row in, only then.
+-- steprecord.writer = 'repair' for the call's two writes only, set by set_config and then
+-- restored (not by a `SET` clause of the function: see apply_events.sql): the record's guard
+-- (record_guard.sql) lets a finished record go back to pending at the next attempt, and the
+-- repair log's guard lets a row in, only then.
 CREATE OR REPLACE FUNCTION steprecord_reopen(
     p_instance_id bigint, p_instance_key text, p_step_slug text, p_attempt int,
     p_reason text, p_by text
@@ -40,7 +41,6 @@ CREATE OR REPLACE FUNCTION steprecord_reopen(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
-SET steprecord.writer = 'repair'
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -52,6 +52,8 @@ DECLARE
     -- function is made on the workers before the tables are, and a row type would not resolve).
     r record;
     v_repair_id bigint;
+    -- The writer before this call, restored after its two writes.
+    v_writer text := current_setting('steprecord.writer', true);
 BEGIN
     -- The record, locked: a concurrent event or reopen of it waits until this call's
     -- transaction ends, and then judges the record this call left.
@@ -92,6 +94,7 @@ BEGIN
         RETURN;
     END IF;
 
+    PERFORM set_config('steprecord.writer', 'repair', true);
     UPDATE workflow_step_record rec SET
         status = 'pending',
         attempt_count = r.attempt_count + 1,
@@ -112,6 +115,7 @@ BEGIN
     VALUES (p_instance_id, r.id, r.step_slug, 'reopen', r.attempt_count - 1, p_reason, p_by,
             v_now)
     RETURNING rep.id INTO v_repair_id;
+    PERFORM set_config('steprecord.writer', coalesce(v_writer, ''), true);
 
     RETURN QUERY SELECT 'reopened'::text, r.id, r.step_slug, r.ordinal, r.status,
         r.attempt_count, r.output::text, r.external_output_url, r.started_at,

@@ -2,7 +2,7 @@
 -- record of every repair, which hand-written SQL can neither forge, change nor delete.
 --
 --   * INSERT only from steprecord_reopen (reopen.sql), which sets steprecord.writer =
---     'repair' for its call, and only for a record it has just reopened: pending at the
+--     'repair' for its transaction, and only for a record it has just reopened: pending at the
 --     entry's attempt + 1;
 --   * UPDATE never;
 --   * DELETE only as the cascade of its instance's (or record's) deletion, which runs as a

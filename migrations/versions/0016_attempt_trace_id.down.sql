@@ -65,10 +65,10 @@ CREATE OR REPLACE FUNCTION steprecord_apply_events(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
-SET steprecord.writer = 'judge'
 AS $fn$
 #variable_conflict use_column
 BEGIN
+    PERFORM set_config('steprecord.writer', 'judge', true);
     RETURN QUERY
     -- e: the events, with what every later step needs of them. One clock reading per call
     -- (clock_timestamp, not now(): a retried call in the same transaction reads anew).
@@ -391,12 +391,12 @@ CREATE OR REPLACE FUNCTION steprecord_apply_event(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
-SET steprecord.writer = 'judge'
 AS $fn$
 #variable_conflict use_column
 DECLARE
     judged record;
 BEGIN
+    PERFORM set_config('steprecord.writer', 'judge', true);
     -- 1. The record, locked, and the event judged against it (see apply_events.sql for
     --    what each step decides). `judged` keeps the record as it stands and the clock.
     WITH e AS MATERIALIZED (

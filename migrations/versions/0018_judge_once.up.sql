@@ -46,7 +46,6 @@ CREATE OR REPLACE FUNCTION steprecord_apply_event(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
-SET steprecord.trace_id = ''
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -181,11 +180,10 @@ CREATE OR REPLACE FUNCTION steprecord_apply_events(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
-SET steprecord.writer = 'judge'
-SET steprecord.trace_id = ''
 AS $fn$
 #variable_conflict use_column
 BEGIN
+    PERFORM set_config('steprecord.writer', 'judge', true);
     -- The trace id of this call, set first and always (an empty string for none), so that a
     -- value never carries over from an earlier call of the same transaction. The history's
     -- rows are written by the record's triggers (attempt_history.sql), which do not name

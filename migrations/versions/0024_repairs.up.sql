@@ -107,7 +107,6 @@ CREATE OR REPLACE FUNCTION steprecord_reopen(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
-SET steprecord.writer = 'repair'
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -120,6 +119,7 @@ DECLARE
     r record;
     v_repair_id bigint;
 BEGIN
+    PERFORM set_config('steprecord.writer', 'repair', true);
     -- The record, locked: a concurrent event or reopen of it waits until this call's
     -- transaction ends, and then judges the record this call left.
     SELECT rec.* INTO r

@@ -55,7 +55,6 @@ CREATE OR REPLACE FUNCTION steprecord_apply_event(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
-SET steprecord.trace_id = ''
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -202,8 +201,6 @@ CREATE OR REPLACE FUNCTION steprecord_apply_events(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
-SET steprecord.writer = 'judge'
-SET steprecord.trace_id = ''
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -218,6 +215,7 @@ DECLARE
     -- the condition repeats what the keys already say.
     v_ids bigint[] := ARRAY(SELECT DISTINCT steprecord_instance_id(k) FROM unnest(p_instance_key) k);
 BEGIN
+    PERFORM set_config('steprecord.writer', 'judge', true);
     -- The trace id of this call, set first and always (an empty string for none), so that a
     -- value never carries over from an earlier call of the same transaction. The history's
     -- rows are written by the record's triggers (attempt_history.sql), which do not name
@@ -538,8 +536,6 @@ CREATE OR REPLACE FUNCTION steprecord_apply_events_on_shard(
     created_at timestamptz, updated_at timestamptz
 )
 LANGUAGE plpgsql
-SET steprecord.writer = 'judge'
-SET steprecord.trace_id = ''
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -550,6 +546,7 @@ DECLARE
     v_table text;
     v_shard_table text;
 BEGIN
+    PERFORM set_config('steprecord.writer', 'judge', true);
     IF to_regprocedure('get_shard_id_for_distribution_column(regclass,"any")') IS NULL THEN
         RETURN QUERY SELECT * FROM steprecord_apply_events(
             p_i, p_instance_key, p_step_slug, p_kind, p_attempt, p_started_at, p_completed_at,
@@ -1214,7 +1211,6 @@ CREATE OR REPLACE FUNCTION steprecord_reopen(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
-SET steprecord.writer = 'repair'
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -1227,6 +1223,7 @@ DECLARE
     r record;
     v_repair_id bigint;
 BEGIN
+    PERFORM set_config('steprecord.writer', 'repair', true);
     -- The record, locked: a concurrent event or reopen of it waits until this call's
     -- transaction ends, and then judges the record this call left.
     SELECT rec.* INTO r

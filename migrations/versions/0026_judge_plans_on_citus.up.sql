@@ -57,7 +57,6 @@ CREATE OR REPLACE FUNCTION steprecord_apply_event(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
-SET steprecord.trace_id = ''
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -210,8 +209,6 @@ CREATE OR REPLACE FUNCTION steprecord_apply_events(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
-SET steprecord.writer = 'judge'
-SET steprecord.trace_id = ''
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -226,6 +223,7 @@ DECLARE
     -- the condition repeats what the keys already say.
     v_ids bigint[] := ARRAY(SELECT DISTINCT steprecord_instance_id(k) FROM unnest(p_instance_key) k);
 BEGIN
+    PERFORM set_config('steprecord.writer', 'judge', true);
     -- The trace id of this call, set first and always (an empty string for none), so that a
     -- value never carries over from an earlier call of the same transaction. The history's
     -- rows are written by the record's triggers (attempt_history.sql), which do not name
@@ -568,8 +566,6 @@ CREATE OR REPLACE FUNCTION steprecord_apply_events_on_shard(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
-SET steprecord.writer = 'judge'
-SET steprecord.trace_id = ''
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -583,6 +579,7 @@ DECLARE
     v_version text;
     v_pos int[];
 BEGIN
+    PERFORM set_config('steprecord.writer', 'judge', true);
     IF to_regprocedure('get_shard_id_for_distribution_column(regclass,"any")') IS NULL THEN
         RETURN QUERY SELECT * FROM steprecord_apply_events(
             p_i, p_instance_key, p_step_slug, p_kind, p_attempt, p_started_at, p_completed_at,

@@ -49,8 +49,6 @@ CREATE OR REPLACE FUNCTION steprecord_apply_events_on_shard(
 )
 LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
-SET steprecord.writer = 'judge'
-SET steprecord.trace_id = ''
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -64,6 +62,7 @@ DECLARE
     v_version text;
     v_pos int[];
 BEGIN
+    PERFORM set_config('steprecord.writer', 'judge', true);
     IF to_regprocedure('get_shard_id_for_distribution_column(regclass,"any")') IS NULL THEN
         RETURN QUERY SELECT * FROM steprecord_apply_events(
             p_i, p_instance_key, p_step_slug, p_kind, p_attempt, p_started_at, p_completed_at,
