@@ -13,7 +13,8 @@ transaction mode as well. A server that does not even answer the cancel within
 `CANCEL_GRACE` seconds is treated as lost.
 
 A request holds at most its token's share of the connections (app/shares.py); work that is
-no request's is not counted.
+no request's is not counted. A connection on which the database raised an error that no caller
+handled is closed, never given to the next request.
 
 While tracing is on (app/tracing.py), a request's use of a connection, from waiting for it
 to giving it back, is a client span of the request's span.
@@ -246,6 +247,12 @@ class Pool:
                 raise DatabaseUnavailable(str(exc), public_reason(exc)) from exc
             except psycopg.errors.ReadOnlySqlTransaction as exc:  # a standby, until promoted
                 raise DatabaseUnavailable(str(exc), public_reason(exc)) from exc
+            except psycopg.Error:
+                # Any other error of the database that no caller handled (the data modules
+                # handle the refusals they expect): the session may keep a state that the next
+                # request must not meet, so it is closed, not given back.
+                await conn.close()
+                raise
             except TimeoutError:
                 bound = f"{self._statement_timeout:g} s statement timeout"
                 if conn.closed:

@@ -497,7 +497,8 @@ def citus_cluster(
     maintenance database, the workers added), and stops them all on the way out. `shards`:
     each distributed table's number of shards (`citus.shard_count`; Citus's default, 32,
     when None)."""
-    settings = {"shared_preload_libraries": "citus"}
+    # wal_level = logical: Citus moves shards by logical replication unless told to block writes.
+    settings = {"shared_preload_libraries": "citus", "wal_level": "logical"}
     if shards is not None:
         settings["citus.shard_count"] = str(shards)
     nodes: list[EmbeddedPostgres] = []

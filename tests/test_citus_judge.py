@@ -1,7 +1,7 @@
 """The judge on a Citus cluster (the `citus` fixture), through the service: a batch is judged
-per worker, a statement per shard group, and answers as one node does, in request order; a
-new record and a late report go through the delegated one-event judge; racing events
-converge; and a refusal raised on a worker cites its constraint as on one node."""
+event by event, each on its instance's worker, and answers as one node does, in request
+order; a new record and a late report go through the delegated one-event judge; racing
+events converge; and a refusal raised on a worker cites its constraint as on one node."""
 
 import threading
 import uuid
@@ -13,13 +13,11 @@ import psycopg
 import pytest
 
 from app.data.common import constraint_name
-from app.data.judge import APPLY_EVENT, APPLY_EVENTS_ON_SHARD
+from app.data.judge import APPLY_EVENT
 from tests.helpers import (
     CitusCluster,
     attempts,
-    lock_waits,
     migrated_database,
-    node_of,
     one_key_per_worker,
     post,
     problem,
@@ -259,135 +257,3 @@ def test_a_batch_group_whose_worker_is_down_answers_503_and_the_other_groups_com
         seconds=60,
     )
     assert [x["record"]["ordinal"] for x in again.json()["results"]] == [0, 1]
-
-
-# The worker holding a key's shard group, and the group.
-_PLACEMENT = """
-SELECT pl.groupid, pl.shardid FROM pg_dist_placement pl
-WHERE pl.shardid = get_shard_id_for_distribution_column(
-    'process_instance', steprecord_instance_id(%s))
-"""
-
-
-def start_on_shard(conn: psycopg.Connection[Any], keys: list[str]) -> list[tuple[Any, ...]]:
-    """The shard function called as the service calls it, with a `start` of attempt 1 of step
-    `s` of each instance: each event's index and outcome."""
-    n = len(keys)
-    with psycopg.RawCursor(conn) as cur:
-        # Alone at the top of its statement, as the service calls it (inside a subquery, Citus
-        # 13.0 crashes the coordinator's backend on a distributed function: operations guide).
-        cur.execute(
-            APPLY_EVENTS_ON_SHARD,
-            [
-                *(list(range(n)), keys, ["s"] * n, ["start"] * n, [1] * n),
-                *([[None] * n] * 8),
-                None,  # no trace id
-                "ci",  # the writer
-            ],
-        )
-        return sorted(row[:2] for row in cur.fetchall())
-
-
-def test_the_shard_function_judges_one_workers_shard_groups_and_refuses_another_workers(
-    cluster_database: str,
-) -> None:
-    """A batch's call for one worker holds events of several of its shard groups: each group's
-    statement runs on that worker, in the call's transaction. An event of another worker's
-    instance is refused with what to do, and nothing of the call is written."""
-    # Instance keys by worker, one per shard group, as many as 200 random keys find.
-    keys: dict[int, dict[int, str]] = {}
-    with psycopg.connect(cluster_database, autocommit=True) as conn:
-        for n in range(200):
-            key = f"grp-{uuid.uuid4().hex[:8]}-{n}"
-            row = conn.execute(_PLACEMENT, (key,)).fetchone()
-            assert row is not None
-            keys.setdefault(int(row[0]), {}).setdefault(int(row[1]), key)
-        first, second = (list(by_shard.values()) for _, by_shard in sorted(keys.items()))
-        assert len(first) >= 4  # four shard groups of one worker
-
-        def call(batch: list[str]) -> list[tuple[Any, ...]]:
-            return start_on_shard(conn, batch)
-
-        assert call(first[:3]) == [(0, "created"), (1, "created"), (2, "created")]
-        assert call(first[:3]) == [(0, "replay"), (1, "replay"), (2, "replay")]
-        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState) as refused:
-            call([first[3], second[0]])
-        assert "is not on this node" in str(refused.value)
-        assert "outside a transaction block" in str(refused.value.diag.message_hint)
-        written = conn.execute(
-            "SELECT count(*) FROM process_instance WHERE id = steprecord_instance_id(%s)"
-            " OR id = steprecord_instance_id(%s)",
-            (first[3], second[0]),
-        ).fetchone()
-        assert written == (0,)
-
-
-def test_a_call_rolled_back_after_preparing_a_groups_statement_leaves_that_group_usable(
-    cluster_database: str,
-) -> None:
-    """A worker prepares a shard group's statement once per connection and remembers it in a
-    setting of the session. A call whose transaction is rolled back takes the setting back
-    but not the PREPARE: the next call of that group in the session finds the statement
-    anyway and uses it. (On the worker itself: there the function runs in the caller's
-    session, also inside a transaction block.)"""
-    key = f"again-{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(node_of(cluster_database, key), autocommit=True) as conn:
-        with conn.transaction(force_rollback=True):
-            assert start_on_shard(conn, [key]) == [(0, "created")]
-        assert start_on_shard(conn, [key]) == [(0, "created")]
-        assert start_on_shard(conn, [key]) == [(0, "replay")]
-
-
-def test_two_calls_reaching_the_same_shard_groups_in_opposite_orders_wait_and_never_deadlock(
-    cluster_database: str,
-) -> None:
-    """A call takes its shard groups in the order of their shard ids, whatever the order of
-    its events. Two calls over the same two groups, sent in opposite orders while a session
-    holds the lower group's record: when it lets go, the first takes both groups and the
-    second waits for it; neither deadlocks (taken in the events' order, the second would hold
-    the higher group's record while waiting for the lower, which the first holds)."""
-    by_shard: dict[int, str] = {}
-    with psycopg.connect(cluster_database, autocommit=True) as conn:
-        worker: int | None = None
-        for n in range(200):
-            key = f"order-{uuid.uuid4().hex[:8]}-{n}"
-            row = conn.execute(_PLACEMENT, (key,)).fetchone()
-            assert row is not None
-            worker = int(row[0]) if worker is None else worker
-            if int(row[0]) == worker:
-                by_shard.setdefault(int(row[1]), key)
-        assert len(by_shard) >= 2  # two shard groups of one worker
-        low, high = (by_shard[shard] for shard in sorted(by_shard)[:2])
-        assert start_on_shard(conn, [low, high]) == [(0, "created"), (1, "created")]
-
-        with psycopg.connect(cluster_database) as holder, psycopg.connect(cluster_database) as w:
-            w.autocommit = True
-            row = holder.execute("SELECT steprecord_instance_id(%s)", (low,)).fetchone()
-            assert row is not None
-            holder.execute(
-                "SELECT 1 FROM workflow_step_record WHERE instance_id = %s AND step_slug = 's'"
-                " FOR UPDATE",
-                (row[0],),
-            )
-            answers: dict[str, list[tuple[Any, ...]] | BaseException] = {}
-
-            def send(name: str, keys: list[str]) -> None:
-                try:
-                    with psycopg.connect(cluster_database, autocommit=True) as own:
-                        answers[name] = start_on_shard(own, keys)
-                except BaseException as exc:  # reported below, with the other call's answer
-                    answers[name] = exc
-
-            first = threading.Thread(target=send, args=("first", [low, high]))
-            first.start()
-            wait_for("the first call waits for the held record", lambda: lock_waits(w) >= 1)
-            second = threading.Thread(target=send, args=("second", [high, low]))
-            second.start()
-            wait_for("the second call waits too", lambda: lock_waits(w) >= 2)
-            holder.rollback()
-            first.join(30)
-            second.join(30)
-    assert answers == {
-        "first": [(0, "replay"), (1, "replay")],
-        "second": [(0, "replay"), (1, "replay")],
-    }

@@ -1,5 +1,6 @@
 """Faults: bounded statements, held locks, a database that stops answering, brief outages."""
 
+import asyncio
 import json
 import os
 import select
@@ -22,6 +23,7 @@ import psycopg
 import pytest
 
 from app.access import new_token
+from app.db import Pool
 from tests.helpers import (
     BEHIND_PGBOUNCER,
     ROOT,
@@ -645,3 +647,62 @@ def test_problems_never_carry_the_database_s_host_port_user_or_name(
             admin.execute(f'ALTER ROLE "{role}" NOLOGIN')
             terminate_sessions(admin, stem)
             eventually(lambda: refused(f'role "{role}"'), seconds=10)
+
+
+# --- a connection that met an unexpected error ----------------------------------------------
+
+
+def test_a_connection_on_which_the_database_raised_an_unhandled_error_is_not_reused(
+    own_database: str,
+) -> None:
+    """The next user of the pool gets another session: whatever the failed one kept (a
+    statement prepared, a setting) cannot meet the next request."""
+
+    async def sessions() -> tuple[int, int, int]:
+        pool = Pool(own_database, size=1, timeout=10, statement_timeout=10, prepare_threshold=0)
+        try:
+            async with pool.connection() as conn:
+                first = await (await conn.execute("SELECT pg_backend_pid() AS pid")).fetchone()
+            async with pool.connection() as conn:
+                again = await (await conn.execute("SELECT pg_backend_pid() AS pid")).fetchone()
+            with pytest.raises(psycopg.errors.DivisionByZero):
+                async with pool.connection() as conn:
+                    await conn.execute("SELECT 1 / 0")
+            async with pool.connection() as conn:
+                after = await (await conn.execute("SELECT pg_backend_pid() AS pid")).fetchone()
+        finally:
+            await pool.close()
+        pids = [row["pid"] for row in (first, again, after) if row is not None]
+        assert len(pids) == 3
+        return pids[0], pids[1], pids[2]
+
+    first, again, after = asyncio.run(sessions())
+    assert again == first  # a session that met no error is kept
+    assert after != first
+
+
+def test_a_batch_of_heartbeats_over_many_instances_is_judged_and_the_next_events_succeed(
+    client: httpx.Client,
+) -> None:
+    """Twenty running instances, one heartbeat each in one batch: each is judged as its own
+    endpoint would (on Citus too, where the instances live on several workers); then new steps
+    start on the same service, as after any answer."""
+    keys = [f"beat-{n}" for n in range(20)]
+    started = [{"instance_key": k, "step_slug": "s", "kind": "start", "attempt": 1} for k in keys]
+    assert client.post("/v1/events", json={"events": started}).status_code == 200
+    beats = [
+        {
+            "instance_key": k,
+            "step_slug": "s",
+            "kind": "heartbeat",
+            "attempt": 1,
+            "lease_seconds": 60,
+        }
+        for k in keys
+    ]
+    answer = client.post("/v1/events", json={"events": beats})
+    assert answer.status_code == 200, answer.text
+    assert [r["status"] for r in answer.json()["results"]] == [200] * 20
+    for n in range(20):
+        response = client.post(f"/v1/instances/beat-{n}/steps/next/start")
+        assert response.status_code == 201, response.text

@@ -414,7 +414,6 @@ def test_migrations_upgrade_downgrade_and_upgrade_again(scratch_database: str) -
     assert _functions(scratch_database) == {
         "steprecord_apply_event",
         "steprecord_apply_events",
-        "steprecord_apply_events_on_shard",
         "steprecord_heartbeat",
         "steprecord_instance_id",
         "steprecord_list_page",

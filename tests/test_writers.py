@@ -20,6 +20,7 @@ from tests.helpers import (
     access_loaded,
     attempts,
     eventually,
+    has_citus,
     logged_server,
     migrated_database,
     post,
@@ -263,15 +264,21 @@ def test_an_attempt_s_writer_is_a_name_too(db: Conn, instance_id: int) -> None:
 
 def test_the_judge_s_functions_write_their_last_argument(database_url: str) -> None:
     """Each call alone (autocommit), as the service makes it: on Citus a function delegated to
-    a worker is sent there only outside a transaction block. The general statement is called
-    as the service calls it for a shard group (on one node, steprecord_apply_events itself)."""
+    a worker is sent there only outside a transaction block. The batch statement is one
+    node's (on Citus the service sends each event of a batch to the one-event function)."""
     with psycopg.connect(database_url, autocommit=True) as db:
-        row = db.execute(
-            "SELECT outcome, updated_by FROM steprecord_apply_events_on_shard("
-            " steprecord_instance_id('run-1'), ARRAY[0], ARRAY['run-1'], ARRAY['s'],"
+        batch = (
+            "SELECT outcome, updated_by FROM steprecord_apply_events("
+            " ARRAY[0], ARRAY['run-1'], ARRAY['s'],"
             " ARRAY['start'], ARRAY[1::bigint], NULL, NULL, NULL, NULL, NULL, NULL,"
             " ARRAY[NULL::bigint], ARRAY[60], NULL, 'hand')"
-        ).fetchone()
+        )
+        one = (
+            "SELECT outcome, updated_by FROM steprecord_apply_event("
+            " steprecord_instance_id('run-1'), 0, 'run-1', 's', 'start', 1, NULL, NULL, NULL,"
+            " NULL, NULL, NULL, NULL, 60, NULL, 'hand')"
+        )
+        row = db.execute(one if has_citus(database_url) else batch).fetchone()
         assert row == ("created", "hand")
         row = db.execute(
             "SELECT outcome, updated_by FROM steprecord_heartbeat(ARRAY[0], ARRAY['run-1'],"

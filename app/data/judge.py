@@ -38,9 +38,8 @@ APPLY_EVENTS = (
 )
 
 # One event (not a heartbeat) with scalars for arrays (app/sql/apply_event.sql): the same
-# answer, by the same rules (app/sql/judge_rules.sql): the record judged and, only when the
-# event applies, updated; a new record or a late report goes through the general statement.
-# Its first argument is the instance's id, derived from the key in the statement itself
+# answer, by the same rules (app/sql/judge_rules.sql), in statements of one table each by the
+# instance's id. Its first argument is that id, derived from the key in the statement itself
 # (app/sql/instance_id.sql): on Citus the coordinator sends the call to the worker holding it.
 APPLY_EVENT = (
     "SELECT * FROM steprecord_apply_event(steprecord_instance_id($2::text), $1::int, $2::text,"
@@ -48,27 +47,6 @@ APPLY_EVENT = (
     " $10::text, $11::text, $12::bigint, $13::int, $14::text, $15::text)"
 )
 
-# On Citus, a batch's events whose instances live on one worker
-# (app/sql/apply_events_on_shard.sql): the same parameters as APPLY_EVENTS, and first the id of
-# the first event's instance, derived in the statement, by which the coordinator sends the
-# whole call to that worker.
-APPLY_EVENTS_ON_SHARD = (
-    "SELECT * FROM steprecord_apply_events_on_shard(steprecord_instance_id(($2::text[])[1]),"
-    " $1::int[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::timestamptz[],"
-    " $7::timestamptz[], $8::text[], $9::text[], $10::text[], $11::text[], $12::bigint[],"
-    " $13::int[], $14::text, $15::text)"
-)
-
-# On Citus, the node (its group in pg_dist_placement) holding each instance key's shards, in
-# order: one statement for a batch.
-# Each key's shard is found once (MATERIALIZED), then its placement by the shard's id: a join
-# on the function itself would call it for every pair of key and placement.
-NODE_GROUPS = (
-    "WITH s AS MATERIALIZED (SELECT n, get_shard_id_for_distribution_column('process_instance',"
-    " steprecord_instance_id(k)) AS shard FROM unnest(%s::text[]) WITH ORDINALITY AS u(k, n))"
-    " SELECT pl.groupid AS node FROM s JOIN pg_dist_placement pl ON pl.shardid = s.shard"
-    " ORDER BY s.n"
-)
 HAS_CITUS = "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') AS citus"
 
 # An event with no row in the answer lost a race with a concurrent creator of its instance (the
@@ -144,23 +122,25 @@ async def apply_events(
     share one request, so the attempts they start all keep its `trace_id`, and the records
     they write its `writer`.
 
-    On Citus each such statement is one per worker (`_nodes`), each its own transaction on
-    the worker that holds its events' instances: a worker that cannot be reached answers
-    each of its events 503 (`DatabaseUnavailable`), and the others commit.
+    On Citus each event is a call of its own, in order (`_apply_one_by_one`): the statement
+    above joins the instances of many workers, which Citus would run as one distributed
+    transaction.
     """
     outcomes: list[Result | Exception | None] = [None] * len(events)
-    nodes = await _nodes(conn, events)
+    if await _citus(conn):
+        await _apply_one_by_one(conn, events, outcomes, trace_id, writer)
+        return [await _final(conn, events[i], o) for i, o in enumerate(outcomes)]
     segment: list[int] = []
     seen: set[tuple[str, str]] = set()
     for index, event in enumerate(events):
         key = (event.instance_key, event.step_slug)
         if key in seen:
-            await _apply_segment(conn, events, segment, outcomes, trace_id, writer, nodes)
+            await _apply_segment(conn, events, segment, outcomes, trace_id, writer)
             segment, seen = [], set()
         segment.append(index)
         seen.add(key)
     if segment:
-        await _apply_segment(conn, events, segment, outcomes, trace_id, writer, nodes)
+        await _apply_segment(conn, events, segment, outcomes, trace_id, writer)
     return [await _final(conn, events[i], o) for i, o in enumerate(outcomes)]
 
 
@@ -168,18 +148,39 @@ async def apply_events(
 _CITUS: WeakKeyDictionary[AsyncConn, bool] = WeakKeyDictionary()
 
 
-async def _nodes(conn: AsyncConn, events: Sequence[Event]) -> list[int] | None:
-    """The node holding each event's instance on Citus (one statement for the batch); None on
-    one node."""
+async def _citus(conn: AsyncConn) -> bool:
     citus = _CITUS.get(conn)
     if citus is None:
         row = await (await conn.execute(HAS_CITUS)).fetchone()
         citus = _CITUS[conn] = bool(row and row["citus"])
-    if not citus or not events:
-        return None
-    keys = [event.instance_key for event in events]
-    cur = await conn.execute(NODE_GROUPS, (keys,), prepare=False)
-    return [int(row["node"]) for row in await cur.fetchall()]
+    return citus
+
+
+async def _apply_one_by_one(
+    conn: AsyncConn,
+    events: Sequence[Event],
+    outcomes: list[Result | Exception | None],
+    trace_id: str | None,
+    writer: str,
+) -> None:
+    """Each event as its own endpoint judges it, in order: an event as `apply_event` sends it
+    (its instance's worker runs it), a heartbeat as a one-element call (Citus routes its
+    statement to the instance's shard). A worker that cannot be reached answers its events
+    503 (`DatabaseUnavailable`), and the others commit."""
+    for index, event in enumerate(events):
+        try:
+            if event.kind == "heartbeat":
+                params = _columns_and(writer)
+                await _apply_statement(
+                    conn, HEARTBEAT, HEARTBEAT_PARAMS, events, [index], outcomes, params
+                )
+            else:
+                params = _scalars(trace_id, writer)
+                await _apply_statement(conn, APPLY_EVENT, PARAMS, events, [index], outcomes, params)
+        except psycopg.OperationalError as exc:
+            if conn.closed:  # the coordinator itself is gone: the whole request is refused
+                raise
+            outcomes[index] = DatabaseUnavailable(str(exc), public_reason(exc))
 
 
 async def _final(
@@ -195,41 +196,9 @@ async def _apply_segment(
     outcomes: list[Result | Exception | None],
     trace_id: str | None,
     writer: str,
-    nodes: list[int] | None,
 ) -> None:
     """Apply events of distinct steps: they cannot affect each other, so heartbeats and the
-    other events go in one statement each (a heartbeat starts no attempt: no trace id); on
-    Citus, one statement each per worker, in the order the workers first appear."""
-    if nodes is None:
-        await _apply_group(conn, events, indexes, outcomes, trace_id, writer, APPLY_EVENTS)
-        return
-    groups: dict[int, list[int]] = {}
-    for index in indexes:
-        groups.setdefault(nodes[index], []).append(index)
-    for group in groups.values():
-        try:
-            await _apply_group(
-                conn, events, group, outcomes, trace_id, writer, APPLY_EVENTS_ON_SHARD
-            )
-        except psycopg.OperationalError as exc:
-            if conn.closed:  # the coordinator itself is gone: the whole request is refused
-                raise
-            # The group's worker is down (its transaction wrote nothing): its events only.
-            unavailable = DatabaseUnavailable(str(exc), public_reason(exc))
-            for index in group:
-                if outcomes[index] is None:
-                    outcomes[index] = unavailable
-
-
-async def _apply_group(
-    conn: AsyncConn,
-    events: Sequence[Event],
-    indexes: list[int],
-    outcomes: list[Result | Exception | None],
-    trace_id: str | None,
-    writer: str,
-    statement: str,
-) -> None:
+    other events go in one statement each (a heartbeat starts no attempt: no trace id)."""
     beats = [index for index in indexes if events[index].kind == "heartbeat"]
     others = [index for index in indexes if events[index].kind != "heartbeat"]
     if beats:
@@ -237,7 +206,7 @@ async def _apply_group(
         await _apply_statement(conn, HEARTBEAT, HEARTBEAT_PARAMS, events, beats, outcomes, params)
     if others:
         params = _columns_and(trace_id, writer)
-        await _apply_statement(conn, statement, PARAMS, events, others, outcomes, params)
+        await _apply_statement(conn, APPLY_EVENTS, PARAMS, events, others, outcomes, params)
 
 
 # A statement's parameters: the events' indexes, then one array per field (`_columns`), or

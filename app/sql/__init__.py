@@ -7,11 +7,12 @@ writes both from the source, so a change of the judge is a change of `app/sql/` 
 command (docs/database.md, "Change a rule of the judge").
 
 A frozen upgrade holds each source file that differs from what the revisions before it
-froze, whole, after a line `-- ===== app/sql/NAME.sql =====`; so the text of every file as
-of any revision is the last such section at or before it. Functions whose arguments or
-result change, or that go away, are dropped first: PostgreSQL changes a function's
-arguments only by dropping and creating it. The downgrade drops what the upgrade created
-or changed that way and restores the previous text of each file it froze.
+froze, whole, after a line `-- ===== app/sql/NAME.sql =====`, and a line
+`-- ===== app/sql/NAME.sql removed =====` for each file that left `app/sql/`; so the text of
+every file as of any revision is the last such section at or before it. Functions whose
+arguments or result change, or that go away, are dropped first: PostgreSQL changes a
+function's arguments only by dropping and creating it. The downgrade drops what the upgrade
+created or changed that way and restores the previous text of each file it froze or removed.
 """
 
 import re
@@ -23,6 +24,7 @@ VERSIONS = SOURCE.parent.parent / "migrations" / "versions"
 COMMAND = "python -m app.sql freeze"
 
 _SECTION = re.compile(r"^-- ===== app/sql/([\w.-]+\.sql) =====\n", re.MULTILINE)
+_REMOVED = re.compile(r"^-- ===== app/sql/([\w.-]+\.sql) removed =====$", re.MULTILINE)
 _OTHER_SECTION = re.compile(r"^-- ===== ", re.MULTILINE)
 _FUNCTION = re.compile(r"CREATE OR REPLACE FUNCTION (\w+)\s*\(")
 _REVISION = re.compile(r"^(\d{4})_\w+$")
@@ -57,7 +59,10 @@ def frozen_as_of(number: int) -> dict[str, str]:
     files: dict[str, str] = {}
     for path in sorted(VERSIONS.glob("[0-9][0-9][0-9][0-9]_*.up.sql")):
         if revision_number(path.name.removesuffix(".up.sql")) <= number:
-            files.update(sections(path.read_text()))
+            frozen = path.read_text()
+            files.update(sections(frozen))
+            for removed in _REMOVED.finditer(frozen):
+                del files[removed.group(1)]
     return files
 
 
@@ -116,11 +121,9 @@ def render(name: str, files: dict[str, str] | None = None) -> tuple[str, str]:
     number = revision_number(name)
     new = source() if files is None else files
     old = frozen_as_of(number - 1)
-    missing = sorted(old.keys() - new.keys())
-    if missing:
-        raise ValueError(f"{', '.join(missing)} left app/sql/: write this revision by hand")
+    removed = sorted(old.keys() - new.keys())
     changed = [file for file in sorted(new) if new[file] != old.get(file)]
-    if not changed:
+    if not changed and not removed:
         raise ValueError("app/sql/ is as the revisions before froze it: nothing to freeze")
     previous = f"{number - 1:04d}"
     made = [
@@ -132,11 +135,14 @@ def render(name: str, files: dict[str, str] | None = None) -> tuple[str, str]:
         f"-- {previous}, whole.",
         *made,
     ]
-    drops = _drops(functions({file: old[file] for file in changed if file in old}), functions(new))
+    gone = {file: old[file] for file in [*changed, *removed] if file in old}
+    drops = _drops(functions(gone), functions(new))
     if drops:
         up += ["", "-- Functions whose arguments or result change, or that go away:", *drops]
     for file in changed:
         up += ["", f"-- ===== app/sql/{file} =====", new[file].rstrip("\n")]
+    for file in removed:
+        up += ["", f"-- ===== app/sql/{file} removed ====="]
     down = [
         f"-- Revision {name}, downgrade: the same files as of revision {previous}.",
         *made,
@@ -144,7 +150,7 @@ def render(name: str, files: dict[str, str] | None = None) -> tuple[str, str]:
     drops = _drops(functions({file: new[file] for file in changed}), functions(old))
     if drops:
         down += ["", "-- Functions this revision created or declared otherwise:", *drops]
-    for file in changed:
+    for file in sorted([*changed, *removed]):
         if file in old:
             down += ["", f"-- ===== app/sql/{file} as of revision {previous} =====", old[file]]
     return "\n".join(up) + "\n", "\n".join(down).rstrip("\n") + "\n"

@@ -1,4 +1,4 @@
--- steprecord_apply_events: the judge of a set of events, in one statement.
+-- steprecord_apply_events: the judge of a set of events, in one statement (one node's batches).
 --
 -- Arguments, one array per field, all of the same length (element n is event n):
 --   p_i (the event's index in the caller's list), p_instance_key, p_step_slug,
@@ -46,9 +46,11 @@
 -- says which records they are applied to and what is written.
 --
 -- The two inserts of records and history entries name their id, the identity's next value
--- (OVERRIDING SYSTEM VALUE), instead of leaving it to the column: on Citus this statement
--- runs on a worker's shards (apply_events_on_shard.sql), which have no identity of their own;
--- the worker's sequence gives ids of that worker's own range.
+-- (OVERRIDING SYSTEM VALUE), as steprecord_apply_event's do.
+--
+-- One node judges a batch with it. On Citus the service sends each event of a batch to
+-- steprecord_apply_event instead: this statement writes in WITH parts (an INSERT among them),
+-- which Citus plans part by part and whose row locks it refuses across shards.
 --
 -- plan_cache_mode = force_generic_plan: every access is by key, so the plan does not depend
 -- on the arrays' contents; one generic plan, made once per connection, serves every call
