@@ -15,7 +15,7 @@ distributes the new signatures on Citus at the next migrate). Frozen in
 restores the previous text (`.down.sql`).
 
 Revision ID: 0031
-Revises: 0029
+Revises: 0030
 Create Date: 2026-12-07
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from migrations import script
 
 revision = "0031"
-down_revision = "0029"
+down_revision = "0030"
 branch_labels = None
 depends_on = None
 
