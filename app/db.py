@@ -144,6 +144,10 @@ class Pool:
         conn.adapters.register_dumper(list, ListBinaryDumper)
         return conn
 
+    @property
+    def conninfo(self) -> str:
+        return self._conninfo
+
     def _take_idle(self) -> AsyncConn | None:
         while self._idle:
             conn = self._idle.pop()

@@ -188,10 +188,14 @@ def test_delete_removes_the_instance_on_its_worker_and_notifies_the_coordinator(
             async with await psycopg.AsyncConnection.connect(
                 cluster_url, autocommit=True, row_factory=dict_row
             ) as writer:
-                refused = await retention.delete_instance(writer, "r2", force=False)
+                refused = await retention.delete_instance(
+                    writer, "r2", force=False, erase_repairs=True
+                )
                 assert not refused.deleted
                 assert refused.running > 0
-                deleted = await retention.delete_instance(writer, "r2", force=True)
+                deleted = await retention.delete_instance(
+                    writer, "r2", force=True, erase_repairs=True
+                )
             heard = [n.payload async for n in ear.notifies(timeout=5, stop_after=1)]
         return deleted, heard
 

@@ -13,6 +13,7 @@ from app.db import Pool
 from app.errors import Problem, validation_problem
 from app.limits import MAX_OUTPUT_BYTES, NAME_PATTERN
 from app.models import STATUSES
+from app.nodes import Nodes
 from app.replica import ReadPool
 from app.serialize import (
     MAX_DEPTH,
@@ -101,6 +102,15 @@ def primary_pool(request: Request) -> Pool:
     """The primary: writes, heartbeats and the schema check."""
     pool: Pool = request.app.state.pool
     return pool
+
+
+async def pools_for(request: Request, keys: list[str]) -> list[Pool]:
+    """The pool for each instance key's writes: on Citus its node's (app/nodes.py), else the
+    primary's."""
+    nodes: Nodes | None = request.app.state.nodes
+    if nodes is None:
+        return [primary_pool(request)] * len(keys)
+    return await nodes.pools_of(keys)
 
 
 def read_pool(request: Request) -> ReadPool:
