@@ -1,52 +1,64 @@
--- Revision 0031_bounded_reads, downgrade: the same files as of revision 0030.
--- Made by `python -m app.sql freeze 0031_bounded_reads`. Never edit it: the source is app/sql/;
+-- Revision 0032_bounded_reads, upgrade: the files of app/sql/ that changed since revision
+-- 0031, whole.
+-- Made by `python -m app.sql freeze 0032_bounded_reads`. Never edit it: the source is app/sql/;
 -- change it there and freeze a new revision.
 
--- Functions this revision created or declared otherwise:
-DROP FUNCTION steprecord_list_page(p_instance_key text, p_order text, p_after_ordinal integer, p_after_started_at timestamptz, p_after_id bigint, p_statuses text[], p_max_rows integer, p_max_bytes bigint);
-DROP FUNCTION steprecord_stream_changes(p_instance_id bigint, p_instance_key text, p_after_xid xid8, p_after_id bigint, p_limit integer, p_max_bytes bigint);
+-- Functions whose arguments or result change, or that go away:
+DROP FUNCTION steprecord_list_page(p_instance_key text, p_order text, p_after_ordinal integer, p_after_started_at timestamptz, p_after_id bigint, p_statuses text[], p_max_rows integer);
+DROP FUNCTION steprecord_stream_changes(p_instance_id bigint, p_instance_key text, p_after_xid xid8, p_after_id bigint, p_limit integer);
 
--- ===== app/sql/list_page.sql as of revision 0030 =====
+-- ===== app/sql/list_page.sql =====
 -- steprecord_list_page: one page of an instance's records, for GET .../steps.
 --
 -- Arguments: the instance's key; the order ('ordinal', or 'started_at': started records by
 -- (started_at, id), then never-started ones by id); the keyset position after which the
 -- page starts (p_after_ordinal for 'ordinal'; p_after_started_at and p_after_id for
 -- 'started_at', where a NULL time means a position inside the never-started part); the
--- statuses to keep (NULL: all); and p_max_rows, the most rows to answer (the caller asks
--- for one more than its page to learn whether another page follows).
+-- statuses to keep (NULL: all); p_max_rows, the most rows to answer (the caller asks for
+-- one more than its page to learn whether another page follows); and p_max_bytes, the most
+-- bytes of long values (output as text, error message, output URL) to answer, about.
 --
 -- Answer: the records as the API shows them, in the API's key order, with the instance's
 -- key and the output as text; the service renders them as JSON. No row at all: the
 -- instance does not exist. One row whose id is NULL: it exists but has no such record.
+-- Then `cut`, after the record's columns: true on the last row when the rows answered so far
+-- hold p_max_bytes of long values or more, and the function stopped there (more may follow:
+-- the next page starts after that row). Rows are read one by one and counted as they come,
+-- so a page of large outputs stops reading at the bound: neither the database nor the
+-- service holds the 1,000 outputs of 1 MiB a page of `limit=1000` could name.
 --
 -- The instance is found by its id, derived from its key, and its key: on Citus the id names
 -- the shard, so each read goes to the one worker that holds the instance (Citus plans this
 -- function with its values there, app/distribution.py).
 --
 -- Each of the three reads is one range scan of one index under its LIMIT, whatever the
--- parameters: (instance_id, ordinal), or (instance_id, started_at, id) twice, appended.
+-- parameters (a loop of PL/pgSQL reads its rows a few at a time, and stops reading there): (instance_id, ordinal), or (instance_id, started_at, id) twice, appended.
 -- So the one generic plan per connection (force_generic_plan) is the plan a custom one
 -- would be, and the statement is planned once per connection instead of on every call.
 CREATE OR REPLACE FUNCTION steprecord_list_page(
     p_instance_key text, p_order text, p_after_ordinal integer,
     p_after_started_at timestamptz, p_after_id bigint, p_statuses text[],
-    p_max_rows integer
+    p_max_rows integer, p_max_bytes bigint
 ) RETURNS TABLE (
     id bigint, instance_key text, step_slug text, ordinal integer, status text,
     attempt_count integer, output text, external_output_url text,
     started_at timestamptz, completed_at timestamptz, lease_expires_at timestamptz,
     error_code text, error_message text, created_at timestamptz, updated_at timestamptz,
-    updated_by text
+    updated_by text, cut boolean
 )
 LANGUAGE plpgsql STABLE
 SET plan_cache_mode = force_generic_plan
 AS $fn$
 #variable_conflict use_column
+DECLARE
+    v_bytes bigint := 0;
 BEGIN
+    cut := false;
     IF p_order = 'ordinal' THEN
         -- By ordinal, after p_after_ordinal.
-        RETURN QUERY
+        FOR id, instance_key, step_slug, ordinal, status, attempt_count, output,
+            external_output_url, started_at, completed_at, lease_expires_at, error_code,
+            error_message, created_at, updated_at, updated_by IN
         SELECT r.id, p.instance_key, r.step_slug, r.ordinal, r.status, r.attempt_count,
                r.output::text, r.external_output_url, r.started_at, r.completed_at,
                r.lease_expires_at, r.error_code, r.error_message, r.created_at, r.updated_at,
@@ -61,10 +73,20 @@ BEGIN
             LIMIT p_max_rows
         ) r ON true
         WHERE p.id = steprecord_instance_id(p_instance_key)
-          AND p.instance_key = p_instance_key;
+          AND p.instance_key = p_instance_key
+        LOOP
+            v_bytes := v_bytes + coalesce(octet_length(output), 0)
+                + coalesce(octet_length(error_message), 0)
+                + coalesce(octet_length(external_output_url), 0);
+            cut := v_bytes >= p_max_bytes;
+            RETURN NEXT;
+            EXIT WHEN cut;
+        END LOOP;
     ELSIF p_after_started_at IS NULL THEN
         -- Inside the never-started part (started_at IS NULL sorts last): by id alone.
-        RETURN QUERY
+        FOR id, instance_key, step_slug, ordinal, status, attempt_count, output,
+            external_output_url, started_at, completed_at, lease_expires_at, error_code,
+            error_message, created_at, updated_at, updated_by IN
         SELECT r.id, p.instance_key, r.step_slug, r.ordinal, r.status, r.attempt_count,
                r.output::text, r.external_output_url, r.started_at, r.completed_at,
                r.lease_expires_at, r.error_code, r.error_message, r.created_at, r.updated_at,
@@ -78,11 +100,21 @@ BEGIN
             LIMIT p_max_rows
         ) r ON true
         WHERE p.id = steprecord_instance_id(p_instance_key)
-          AND p.instance_key = p_instance_key;
+          AND p.instance_key = p_instance_key
+        LOOP
+            v_bytes := v_bytes + coalesce(octet_length(output), 0)
+                + coalesce(octet_length(error_message), 0)
+                + coalesce(octet_length(external_output_url), 0);
+            cut := v_bytes >= p_max_bytes;
+            RETURN NEXT;
+            EXIT WHEN cut;
+        END LOOP;
     ELSE
         -- Started records after (p_after_started_at, p_after_id), then the never-started
         -- ones from the first: two index range scans appended, so neither needs a sort.
-        RETURN QUERY
+        FOR id, instance_key, step_slug, ordinal, status, attempt_count, output,
+            external_output_url, started_at, completed_at, lease_expires_at, error_code,
+            error_message, created_at, updated_at, updated_by IN
         SELECT r.id, p.instance_key, r.step_slug, r.ordinal, r.status, r.attempt_count,
                r.output::text, r.external_output_url, r.started_at, r.completed_at,
                r.lease_expires_at, r.error_code, r.error_message, r.created_at, r.updated_at,
@@ -104,13 +136,20 @@ BEGIN
             LIMIT p_max_rows
         ) r ON true
         WHERE p.id = steprecord_instance_id(p_instance_key)
-          AND p.instance_key = p_instance_key;
+          AND p.instance_key = p_instance_key
+        LOOP
+            v_bytes := v_bytes + coalesce(octet_length(output), 0)
+                + coalesce(octet_length(error_message), 0)
+                + coalesce(octet_length(external_output_url), 0);
+            cut := v_bytes >= p_max_bytes;
+            RETURN NEXT;
+            EXIT WHEN cut;
+        END LOOP;
     END IF;
 END
 $fn$;
 
-
--- ===== app/sql/live_updates.sql as of revision 0030 =====
+-- ===== app/sql/live_updates.sql =====
 -- Live updates: what the stream (GET /v1/instances/{key}/stream) reads and listens to.
 --
 -- A change's position is (changed_xid, id) of the record it left: the stream sends every
@@ -177,13 +216,19 @@ FOR EACH ROW EXECUTE FUNCTION workflow_step_record_notify();
 -- again rather than wait for this server's ids to get there. A standby may lag behind a
 -- position the primary gave: it never resets.
 --
+-- At most p_limit records, and no more once the records answered hold p_max_bytes of long
+-- values (output as text, error message, output URL) or more: `cut` is true on the last row
+-- when the read stopped there for its bytes, and the stream reads on from that record. The
+-- rows are read one by one and counted as they come, so a stream's first read of an instance
+-- of large outputs stops reading at the bound.
+--
 -- PL/pgSQL, with the instance's id first: on Citus it is a distributed function by that
 -- argument, so the whole call runs on the worker that holds the instance, and the snapshot,
 -- the transaction ids and the activity view are that worker's, the ones the records'
 -- `changed_xid` stamps come from.
 CREATE OR REPLACE FUNCTION steprecord_stream_changes(
     p_instance_id bigint, p_instance_key text, p_after_xid xid8, p_after_id bigint,
-    p_limit integer
+    p_limit integer, p_max_bytes bigint
 )
 RETURNS TABLE (
     standby boolean, instance_id bigint, horizon xid8, since_xid xid8, since_id bigint,
@@ -191,7 +236,7 @@ RETURNS TABLE (
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
     output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
     lease_expires_at timestamptz, error_code text, error_message text,
-    created_at timestamptz, updated_at timestamptz, updated_by text
+    created_at timestamptz, updated_at timestamptz, updated_by text, cut boolean
 )
 LANGUAGE plpgsql STABLE
 SET plan_cache_mode = force_custom_plan
@@ -203,6 +248,7 @@ DECLARE
     v_horizon xid8;
     v_after_xid xid8 := p_after_xid;
     v_after_id bigint := p_after_id;
+    v_bytes bigint := 0;
 BEGIN
     IF v_standby THEN
         v_horizon := pg_snapshot_xmin(v_snapshot);
@@ -218,7 +264,10 @@ BEGIN
             v_after_id := 0;
         END IF;
     END IF;
-    RETURN QUERY
+    cut := false;
+    FOR standby, instance_id, horizon, since_xid, since_id, behind, changed_xid, id, step_slug,
+        ordinal, status, attempt_count, output, external_output_url, started_at, completed_at,
+        lease_expires_at, error_code, error_message, created_at, updated_at, updated_by IN
     SELECT v_standby, p.id, v_horizon, v_after_xid, v_after_id,
            EXISTS (SELECT FROM workflow_step_record l
                    WHERE l.instance_id = p_instance_id AND l.changed_xid >= v_horizon
@@ -241,6 +290,14 @@ BEGIN
           AND r.changed_xid < v_horizon
         ORDER BY r.changed_xid, r.id
         LIMIT p_limit
-    ) s ON true;
+    ) s ON true
+    LOOP
+        v_bytes := v_bytes + coalesce(octet_length(output), 0)
+            + coalesce(octet_length(error_message), 0)
+            + coalesce(octet_length(external_output_url), 0);
+        cut := v_bytes >= p_max_bytes;
+        RETURN NEXT;
+        EXIT WHEN cut;
+    END LOOP;
 END
 $fn$;

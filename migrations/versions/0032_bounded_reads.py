@@ -11,11 +11,11 @@ answer as before.
 
 Their arguments and results change, so they are dropped and created (app/distribution.py
 distributes the new signatures on Citus at the next migrate). Frozen in
-`0031_bounded_reads.up.sql` by `python -m app.sql freeze 0031_bounded_reads`; the downgrade
+`0032_bounded_reads.up.sql` by `python -m app.sql freeze 0032_bounded_reads`; the downgrade
 restores the previous text (`.down.sql`).
 
-Revision ID: 0031
-Revises: 0030
+Revision ID: 0032
+Revises: 0031
 Create Date: 2026-12-07
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 
 from migrations import script
 
-revision = "0031"
-down_revision = "0030"
+revision = "0032"
+down_revision = "0031"
 branch_labels = None
 depends_on = None
 
