@@ -271,9 +271,10 @@ WHERE datname = current_database() AND application_name = 'steprecord-direct-tes
 def test_the_service_sends_each_instance_s_events_to_the_node_that_holds_it(
     citus: CitusCluster, cluster_database: str
 ) -> None:
-    """With the shard map (the default), a service's events and heartbeats reach each worker
-    over connections of its own; with `STEPRECORD_CITUS_DIRECT=false` they all go through
-    the coordinator, which delegates them (the workers see only Citus's connections)."""
+    """With the shard map (the default), a service's events, heartbeats and reads of one
+    instance reach each worker over connections of its own; with
+    `STEPRECORD_CITUS_DIRECT=false` they all go through the coordinator, which delegates them
+    (the workers see only Citus's connections)."""
     name = psycopg.conninfo.conninfo_to_dict(cluster_database)["dbname"]
     assert isinstance(name, str)
     workers = [on_node(worker.url, name) for worker in citus.workers]
@@ -302,6 +303,7 @@ def test_the_service_sends_each_instance_s_events_to_the_node_that_holds_it(
                     assert post(client, "start", body, key, "s").status_code == 201
                     beat = post(client, "heartbeat", body, key, "s")
                     assert beat.status_code == 200, beat.text
+                    assert record(client, key, "s")["status"] == "running"
                 events = [{"instance_key": key, "step_slug": "b", "kind": "start"} for key in keys]
                 answer = client.post("/v1/events", json={"events": events})
                 assert [r["status"] for r in answer.json()["results"]] == [201, 201]

@@ -15,6 +15,7 @@ from app.routes.common import (
     PageLimit,
     json_response,
     primary_pool,
+    read_instance,
     read_pool,
 )
 
@@ -29,7 +30,9 @@ router = APIRouter(route_class=KnownQuery)
 )
 async def get_instance(request: Request, instance_key: InstanceKey) -> Response:
     tenancy.check_read(request.scope, instance_key)
-    instance = await read_pool(request).run(lambda conn: reads.get_instance(conn, instance_key))
+    instance = await read_instance(
+        request, instance_key, lambda conn: reads.get_instance(conn, instance_key)
+    )
     return json_response(instance)
 
 
