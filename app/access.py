@@ -87,6 +87,10 @@ class Admission:
         """Whose request it is: its token's id, None for anonymous access."""
         return None if self.grant is None else self.grant.token_id
 
+    def allows(self, scope: str) -> bool:
+        """Whether this request's access includes `scope` (anonymous access includes all)."""
+        return self.grant is None or RANK[self.grant.scope] >= RANK[scope]
+
     @property
     def writer(self) -> str:
         """Who writes what this request writes: its token's name, `anonymous` without one.

@@ -103,8 +103,15 @@ class FailBody(_FinishBody):
     @field_validator("error_message")
     @classmethod
     def _message_size(cls, value: str | None) -> str | None:
-        if value is not None and len(value.encode()) > MAX_MESSAGE_BYTES:
-            raise ValueError(f"must be at most {MAX_MESSAGE_BYTES} bytes of UTF-8")
+        size = 0 if value is None else len(value.encode())
+        if size > MAX_MESSAGE_BYTES:
+            raise ValueError(
+                f"is {size} bytes of UTF-8, over the limit of {MAX_MESSAGE_BYTES}:"
+                " send its head and its tail with a line in between saying what was cut (the"
+                " end of a traceback names the exception); the Python client"
+                " (steprecord_client.fit_message) and its Celery integration fit a message so"
+                " themselves"
+            )
         return value
 
 

@@ -3,9 +3,9 @@
 import argparse
 import asyncio
 import errno
-import getpass
 import json
 import os
+import pwd
 import re
 import secrets
 import signal
@@ -32,6 +32,7 @@ from app.bodies import parse_reopen
 from app.config import Settings, is_loopback, parse_duration, redact
 from app.data import repairs, retention, revision, tokens
 from app.db import AsyncConn
+from app.distribution import WorkerUnreachable
 from app.embedded import EmbeddedPostgres
 from app.errors import Problem, to_problem
 from app.limits import PREFIX_DELIMITED_RE, PREFIX_RE
@@ -53,13 +54,15 @@ def migrate(database_url: str) -> None:
 
 
 @contextmanager
-def database(settings: Settings) -> Iterator[str]:
-    """The configured database URL, or an embedded PostgreSQL started for the duration."""
+def database(settings: Settings, *, notice: bool = False) -> Iterator[str]:
+    """The configured database URL, or an embedded PostgreSQL started for the duration (with
+    `notice`, saying where its data lives: `serve` does, the one-off commands do not)."""
     if settings.database_url is not None:
         yield settings.database_url.get_secret_value()
         return
     embedded = EmbeddedPostgres(settings.data_dir)
-    print(embedded.notice(), file=sys.stderr)
+    if notice:
+        print(embedded.notice(), file=sys.stderr)
     with embedded:
         yield embedded.url
 
@@ -103,6 +106,10 @@ def cannot_listen(host: str, port: int, exc: OSError) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    # The address the options give, else the configured one.
+    settings = Settings()
+    args.host = vars(args).get("host", settings.host)
+    args.port = vars(args).get("port", settings.port)
     # Bound before anything else, so a busy port is reported at once; it listens (and the
     # banner says so) only once the database is migrated.
     try:
@@ -118,8 +125,12 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     settings = Settings()
     listened = False
     try:
-        with database(settings) as url:
-            migrate(url)
+        with database(settings, notice=True) as url:
+            try:
+                migrate(url)
+            except WorkerUnreachable as exc:
+                print(f"steprecord serve did not start: {exc}", file=sys.stderr)
+                return 1
             public = not is_loopback(args.host) and not args.insecure_no_auth
             if public and asyncio.run(_count_tokens(url)) == 0:
                 print(
@@ -154,6 +165,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                 access_log=False,
                 timeout_graceful_shutdown=30,
                 header_timeout=settings.header_timeout_seconds,
+                body_timeout=settings.body_timeout_seconds,
+                send_timeout=settings.send_timeout_seconds,
                 limit_concurrency=settings.max_connections,
                 forwarded_allow_ips=settings.trusted_proxies,
                 # A worker answers the supervisor's health check only once it has imported the
@@ -268,7 +281,7 @@ async def _token(args: argparse.Namespace, url: str) -> int:
                 file=sys.stderr,
             )
             if ended_anonymous:
-                print(FIRST_TOKEN, file=sys.stderr)
+                print(first_token(Settings()), file=sys.stderr)
         elif args.action == "list":
             for row in await tokens.list_tokens(conn):
                 used = row["last_used_at"].isoformat() if row["last_used_at"] else "never"
@@ -310,13 +323,20 @@ async def _token(args: argparse.Namespace, url: str) -> int:
     return 0
 
 
-FIRST_TOKEN = (
-    "this is the first token: anonymous access has ended, so curl on localhost and the"
-    " dashboard now need a token too.\n"
-    "  curl:      curl -H 'Authorization: Bearer <token>' http://127.0.0.1:8000/v1/instances\n"
-    "  dashboard: open /ui and paste a token on its sign-in page (a read token is enough)\n"
-    "  client:    Recorder(url, token='<token>')"
-)
+def first_token(settings: Settings) -> str:
+    """What the first token changes, and how to send it to the configured address."""
+    base = _url(WILDCARDS.get(settings.host, settings.host), settings.port)
+    return (
+        "this is the first token: anonymous access has ended, so curl on localhost and the"
+        " dashboard now need a token too.\n"
+        f"  curl:      curl -H 'Authorization: Bearer <token>' {base}/v1/instances\n"
+        f"  dashboard: open {base}/ui and paste a token on its sign-in page (a read token is"
+        " enough)\n"
+        f"  client:    Recorder('{base}', token='<token>')\n"
+        f"({base} is where STEPRECORD_HOST and STEPRECORD_PORT say steprecord serve listens)"
+    )
+
+
 USE_RECORDED = (
     "each worker records use every {seconds:g} s: a use shows up in `last used` within that"
 )
@@ -325,6 +345,13 @@ USE_RECORDED = (
 def _refusal(exc: domain.ConstraintViolation, name: str, prefix: str | None) -> str:
     if exc.constraint == "uq_api_token_name":
         return f"a token of that name exists (revoke it with: steprecord token revoke {name})"
+    if exc.constraint == "ck_api_token_name_not_reserved":
+        return (
+            f"the service writes as {name!r} itself (anonymous without tokens, sweeper for a"
+            " lease it closed, cli:USER for a repair made with this command), and a token so"
+            " named would write under the same name in the records: choose another name,"
+            f" e.g. {('ci-' + name.replace(':', '-'))[:200]!r}"
+        )
     if exc.constraint == "ck_api_token_name_format":
         return "a name is 1-200 characters of [A-Za-z0-9._:-], starting with a letter or digit"
     if exc.constraint == "ck_api_token_key_prefix_format":
@@ -447,7 +474,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 # Settings whose default follows from another's.
 DERIVED_DEFAULTS = {"pool_share_per_token": "default: half of STEPRECORD_POOL_SIZE, at least 1"}
 # Settings that `serve` takes from its own options rather than from the environment.
-SERVE_OPTIONS = {"host": "--host", "insecure_no_auth": "--insecure-no-auth"}
+SERVE_OPTIONS = {"insecure_no_auth": "--insecure-no-auth"}
 
 
 def setting_variable(name: str) -> str:
@@ -489,11 +516,13 @@ def environment_help() -> str:
 
 def writer_name() -> str:
     """Who the repair log and the reopened record (updated_by) name for a repair made with the
-    CLI: `cli:` and the OS user (`cli` alone when the user has no name), each character
-    outside a writer's alphabet (a token name's: letters, digits, `.`, `_`, `:`, `-`) as `-`."""
+    CLI: `cli:` and the operating system's user of this process (`cli` alone when its user id
+    has no name), each character outside a writer's alphabet (a token name's: letters,
+    digits, `.`, `_`, `:`, `-`) as `-`. The user comes from the system's user database by
+    the process's user id, never from `$USER` or `$LOGNAME`, which anyone may set."""
     try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
+        user = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
         return "cli"
     return re.sub(r"[^A-Za-z0-9._:-]", "-", f"cli:{user}")[:200] if user else "cli"
 
@@ -563,8 +592,17 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=HelpFormatter,
         epilog=environment_help(),
     )
-    p_serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p_serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    p_serve.add_argument(
+        "--host",
+        default=argparse.SUPPRESS,
+        help="address to listen on (default: STEPRECORD_HOST, else 127.0.0.1)",
+    )
+    p_serve.add_argument(
+        "--port",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="TCP port to listen on (default: STEPRECORD_PORT, else 8000)",
+    )
     p_serve.add_argument("--workers", type=int, default=1, help="worker processes")
     p_serve.add_argument(
         "--insecure-no-auth",
@@ -676,7 +714,11 @@ def run(args: argparse.Namespace, p_prune: argparse.ArgumentParser) -> int:
             return asyncio.run(_token(args, url))
         if args.command == "repair":  # nor does a repair
             return asyncio.run(_repair(args, url))
-        migrate(url)
+        try:
+            migrate(url)
+        except WorkerUnreachable as exc:
+            print(f"steprecord migrate {exc}", file=sys.stderr)
+            return 1
         print(f"database {redact(url)} is at the migration head", file=sys.stderr)
     return 0
 

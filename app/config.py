@@ -31,6 +31,10 @@ class Settings(BaseSettings):
     # Reads bypass the replica while it is down or further behind the primary than this.
     read_max_lag_seconds: float = Field(default=5.0, gt=0, le=3600)
     data_dir: Path = Field(default_factory=default_data_dir)
+    # Where `serve` listens unless --host and --port say otherwise; the other commands name
+    # this address too (`token create` shows how to reach the service with a new token).
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
     pool_size: int = Field(default=10, ge=1, le=500)
     # The connections of a worker's pool one token (or anonymous access) may hold at once;
     # its requests beyond wait up to `db_timeout`, then 429. Unset: half the pool, at least 1.
@@ -43,6 +47,11 @@ class Settings(BaseSettings):
     # psycopg's prepare_threshold: server-side prepared statements from a statement's first
     # use (0); `none` keeps none, for PgBouncer before 1.21 in transaction mode.
     prepare_threshold: int | None = Field(default=0, ge=0)
+    # On Citus: send each instance's events and heartbeats straight to the node holding it
+    # (app/nodes.py), reading the coordinator's shard map every `shard_map_seconds`; off: every
+    # call goes to the coordinator, which delegates it.
+    citus_direct: bool = True
+    shard_map_seconds: float = Field(default=10.0, gt=0, le=3600)
     # Anonymous access while no token exists also through a proxy or a public address.
     insecure_no_auth: bool = False
     # How often each worker reloads the tokens (revocations take effect within this time).
@@ -72,6 +81,14 @@ class Settings(BaseSettings):
     # Seconds a client has to send a request's headers (slow clients: see app/server.py);
     # then 408 and the connection is closed.
     header_timeout_seconds: float = Field(default=10.0, gt=0, le=600)
+    # Seconds a client has, once its headers are in, to send the request's body; then 408
+    # and the connection is closed. (An answer sent before the body was read, a 401 or a 413,
+    # always closes the connection.)
+    body_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    # Seconds an answer waits for a client that stopped reading it (its connection's send
+    # buffer full, nothing taken meanwhile); then the connection is closed: a stream whose
+    # client stopped reading ends.
+    send_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
     # Connections one worker serves at once; beyond, a request is answered 503 at once.
     max_connections: int = Field(default=1000, ge=1, le=1000000)
 

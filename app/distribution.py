@@ -3,10 +3,13 @@ the migrations, in the same transaction and under the same advisory lock.
 
 On a database without the `citus` extension it does nothing: one node migrates exactly as
 before. Where the operator has created the extension (on the coordinator and every worker,
-the workers added with `citus_add_node`), it distributes what is not distributed yet, so it
-is idempotent, and a database that held rows before the extension came is distributed by the
-next migrate (Citus copies the rows to the workers' shards; the tables are locked meanwhile,
-see docs/operations.md):
+the workers added with `citus_add_node`), it distributes what is not distributed yet and
+sets what is not set yet, reading each first: a migrate with nothing to do issues no DDL, so
+it reaches no worker (`serve`, which migrates, starts while one is down). A database that
+held rows before the extension came is distributed by the next migrate (Citus copies the rows
+to the workers' shards; the tables are locked meanwhile, see docs/operations.md). A migrate
+that must change a worker the coordinator cannot reach stops with `WorkerUnreachable`, which
+names it (the migration's transaction rolled back):
 
 1. `citus.enable_unsafe_triggers = on` for the database: Citus distributes a table with
    triggers, and runs them on each shard, only so. The record's guard, its history and
@@ -27,12 +30,10 @@ see docs/operations.md):
    `ck_process_instance_id_derived` (id = steprecord_instance_id(instance_key)) hold it.
 4. `steprecord_apply_event` becomes a distributed function whose distribution argument is
    `p_instance_id`, co-located with `process_instance`: the coordinator sends the whole call
-   to the worker that holds the instance; so do `steprecord_apply_events_on_shard` (the
-   general statement for events whose instances live on one worker, run on their shard
-   groups' shards: a batch's events of one worker, or the one-event judge's new record or
-   late report, on the worker that call was sent to), `steprecord_reopen` (an operator's
-   repair) and `steprecord_stream_changes` (a stream's read, whose snapshot and transaction
-   ids must be that worker's).
+   to the worker that holds the instance; so do `steprecord_reopen` (an operator's repair)
+   and `steprecord_stream_changes` (a stream's read, whose snapshot and transaction ids must
+   be that worker's). (`steprecord_apply_events_on_shard`, which revisions 0023 to 0029 had,
+   is delegated too when a downgrade brings it back.)
 5. The judge's functions whose statements join distributed tables plan each statement with
    its values (`force_custom_plan`): Citus routes such a statement to one shard only when it
    sees the distribution column's value, which a generic plan hides behind a parameter.
@@ -41,7 +42,15 @@ see docs/operations.md):
    connection as on one node.
 """
 
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
 from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError
+
+from app.db import remote_node_failed
 
 # Citus's distributed tables with their distribution column, in the order they are
 # distributed (a co-located table after the one it follows).
@@ -54,8 +63,9 @@ DISTRIBUTED_TABLES = (
 # The functions delegated to the worker that holds the instance (4. above), by name: the
 # revision the database is at decides their arguments (a downgrade creates them again, as they
 # were), and each is delegated once it is there and takes `p_instance_id`. The one-event
-# judge; the general statement on one worker's shards; an operator's reopen
-# (app/sql/reopen.sql); a stream's read, whose snapshot and transaction ids are the worker's.
+# judge; the general statement on one worker's shards (before revision 0030); an operator's
+# reopen (app/sql/reopen.sql); a stream's read, whose snapshot and transaction ids are the
+# worker's.
 DELEGATED_FUNCTIONS = (
     "steprecord_apply_event",
     "steprecord_apply_events_on_shard",
@@ -70,6 +80,12 @@ CUSTOM_PLANS = (
 )
 
 HAS_CITUS = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"
+# The database's own setting (for every role) that Citus's triggers need, if it is there.
+UNSAFE_TRIGGERS_SET = """
+SELECT 1 FROM pg_db_role_setting s JOIN pg_database d ON d.oid = s.setdatabase
+WHERE d.datname = current_database() AND s.setrole = 0
+  AND 'citus.enable_unsafe_triggers=on' = ANY (s.setconfig)
+"""
 # A table the database's revision has (the repair log came with 0024) and that is not
 # distributed yet.
 UNDISTRIBUTED = """
@@ -87,6 +103,14 @@ NAMED_FUNCTION = """
 SELECT p.oid::regprocedure::text, 'p_instance_id' = ANY (p.proargnames) FROM pg_proc p
 JOIN pg_namespace n ON n.oid = p.pronamespace
 WHERE n.nspname = 'public' AND p.proname = %s
+"""
+# The schema's function of that name, if it does not plan with its values yet (a migration
+# that replaces a function drops the settings of its old one).
+GENERIC_PLAN_FUNCTION = """
+SELECT p.oid::regprocedure::text FROM pg_proc p
+JOIN pg_namespace n ON n.oid = p.pronamespace
+WHERE n.nspname = 'public' AND p.proname = %s
+  AND NOT coalesce('plan_cache_mode=force_custom_plan' = ANY (p.proconfig), false)
 """
 
 # The schema's functions that the workers do not have yet: those made before the extension
@@ -123,8 +147,13 @@ def distribute(connection: Connection) -> bool:
     if not has_citus(connection):
         return False
     sql = connection.exec_driver_sql
-    database = sql("SELECT current_database()").scalar_one()
-    sql(f'ALTER DATABASE "{database}" SET citus.enable_unsafe_triggers = on')
+    # Each step reads what is in place and changes only what is missing: a migrate with
+    # nothing to do issues no DDL, so it reaches no worker (one that is down does not stop
+    # it) and leaves the functions as they are (their catalog rows, which Citus's prepared
+    # statements on the shards are cached by, unchanged).
+    if sql(UNSAFE_TRIGGERS_SET).first() is None:
+        database = sql("SELECT current_database()").scalar_one()
+        sql(f'ALTER DATABASE "{database}" SET citus.enable_unsafe_triggers = on')
     sql("SET LOCAL citus.enable_unsafe_triggers = on")
     # One connection per worker for the whole transaction: Citus distributes a function only
     # so once the same transaction has written distributed tables (the rows copied below).
@@ -157,6 +186,40 @@ def distribute(connection: Connection) -> bool:
                     (function,),
                 )
     for name in CUSTOM_PLANS:
-        for function, _ in sql(NAMED_FUNCTION, (name,)).all():
+        for (function,) in sql(GENERIC_PLAN_FUNCTION, (name,)).all():
             sql(custom_plan(function))
     return True
+
+
+class WorkerUnreachable(Exception):
+    """A migration had to change a Citus worker that the coordinator cannot reach. Its text
+    tells the person who ran it what was not done, which worker, and what to do."""
+
+
+# The coordinator's words for a worker it cannot reach: the worker as [user@]host:port, then
+# the connection's error (its first line says why).
+REMOTE_NODE = re.compile(
+    r"connection to the remote node (?:\S*@)?(\S+) failed with the following error: ([^\n]*)"
+)
+
+
+@contextmanager
+def reaching_workers(what: str) -> Iterator[None]:
+    """Turns the coordinator's failure to reach a worker, while doing `what` (words that
+    follow "could not"), into `WorkerUnreachable`; any other error passes as it is."""
+    try:
+        yield
+    except DBAPIError as exc:
+        cause = exc.orig
+        if not isinstance(cause, psycopg.Error) or not remote_node_failed(cause):
+            raise
+        found = REMOTE_NODE.match(cause.diag.message_primary or "")
+        worker, reason = found.groups() if found else ("of the cluster", "unknown")
+        statement = (exc.statement or "").strip()
+        running = f" (running `{statement}`)" if statement and "\n" not in statement else ""
+        raise WorkerUnreachable(
+            f"could not {what}{running}: the Citus worker {worker} cannot be reached"
+            f" ({reason.strip()}), and this must change it too. Nothing was changed: the"
+            " migration is one transaction, rolled back. Start that worker (or let the"
+            " coordinator reach it), then run `steprecord migrate` again."
+        ) from exc

@@ -4,11 +4,12 @@ import asyncio
 import contextlib
 import functools
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from alembic.config import Config
 from alembic.script import ScriptDirectory
 from fastapi import FastAPI
@@ -24,6 +25,7 @@ from app import (
     replica,
     routes,
     schemas,
+    server,
     shares,
     sweeper,
     tracing,
@@ -31,8 +33,10 @@ from app import (
 )
 from app.access import AccessControl, Tokens
 from app.config import Settings
+from app.data import placement
 from app.db import DatabaseUnavailable, Pool
 from app.domain import SchemaMissing
+from app.nodes import Nodes
 from app.observe import Observe
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
@@ -61,6 +65,24 @@ def known_revisions() -> frozenset[str]:
     """Every revision in this code's migrations (those it could upgrade from)."""
     script = ScriptDirectory.from_config(alembic_config())
     return frozenset(revision.revision for revision in script.walk_revisions())
+
+
+async def _nodes(
+    settings: Settings, primary: Pool, make_pool: Callable[[str, str], Pool]
+) -> Nodes | None:
+    """On Citus (and unless `STEPRECORD_CITUS_DIRECT=false`), where each instance lives; None
+    on one node, or when the database cannot be asked now (every call goes to the primary)."""
+    if not settings.citus_direct:
+        return None
+    try:
+        async with primary.connection(name="has_citus") as conn:
+            if not await placement.has_citus(conn):
+                return None
+        nodes = Nodes(primary, make_pool, settings.shard_map_seconds)
+        await nodes.load()
+    except (DatabaseUnavailable, psycopg.errors.UndefinedFunction, psycopg.errors.UndefinedTable):
+        return None
+    return nodes
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -110,6 +132,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.schema_accepted = frozenset({app.state.schema_head, *COMPATIBLE_AHEAD})
         with contextlib.suppress(DatabaseUnavailable, SchemaMissing):
             await tokens.load()
+        app.state.nodes = await _nodes(settings, primary, pool)
         listen_url = settings.listen_url or settings.database_url
         tasks = [
             asyncio.create_task(tokens.keep_loading()),
@@ -119,6 +142,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 )
             ),
         ]
+        if app.state.nodes is not None:
+            tasks.append(asyncio.create_task(app.state.nodes.keep_loading()))
         if settings.sweep_seconds > 0:
             tasks.append(
                 asyncio.create_task(sweeper.keep_sweeping(primary, settings.sweep_seconds))
@@ -146,6 +171,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await reads.close()
+            if app.state.nodes is not None:
+                await app.state.nodes.close()
             await primary.close()
             if provider is not None:
                 await tracing.stop(provider)
@@ -175,7 +202,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(AccessControl)
     app.add_middleware(ui.DashboardHeaders)  # outside the access check: its 401 page too
     app.add_middleware(Observe)
-    app.add_middleware(live.Openings)  # streams opening at once wait their turn, outside all
+    app.add_middleware(live.Openings)  # streams opening at once wait their turn
+    # An answer before the body was read ends its connection (app/server.py), whoever answers.
+    app.add_middleware(server.CloseAfterEarlyAnswer)
     # Server spans, outside every other middleware, only when tracing is on.
     app.state.tracing = provider = tracing.instrument(app)
     observe.configure_logging()

@@ -202,7 +202,11 @@ def read_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
 
 def delete_responses() -> dict[int | str, dict[str, Any]]:
     return {
-        204: {"description": "Deleted, with its records and their history"},
+        204: {"description": "Deleted, with its records, their history and its repair log"},
+        403: _problem(
+            "forbidden: the instance was repaired, and only an admin token may erase its repair"
+            " log; outside_prefix: outside the token's key prefix"
+        ),
         404: _problem("Instance not found"),
         409: _problem("instance_active: a step is running (send force=true to delete anyway)"),
         422: _problem("Invalid request"),

@@ -252,6 +252,20 @@ def step_label(slug: str, size: int | None = None) -> str:
 ENV.filters["step_label"] = step_label
 
 
+def error_reason(message: str | None) -> str:
+    """The line of an error message that says why, for a page that reads whole messages: for a
+    Python traceback its last line that is not blank (the exception), else its first line;
+    `dashboard.ERROR_LINE` picks the same line in SQL for the instance page."""
+    if not message:
+        return ""
+    if dashboard.TRACEBACK in message:
+        return message.rstrip().rpartition("\n")[2].strip()
+    return message.partition("\n")[0]
+
+
+ENV.filters["reason"] = error_reason
+
+
 def tip(slug: str, attempt: dict[str, Any], scale: Scale, now: datetime) -> str:
     """An attempt's bar in words, one fact a line: what, when (after the run's first start,
     and in UTC), how long, and its error's first line."""

@@ -8,7 +8,7 @@ from sqlalchemy import Connection
 from app.config import Settings
 from app.data.revision import MIGRATION_LOCK
 from app.db import sync_engine
-from app.distribution import distribute, has_citus
+from app.distribution import distribute, has_citus, reaching_workers
 from app.main import COMPATIBLE_AHEAD
 from app.models import metadata
 
@@ -32,10 +32,18 @@ def upgrade_on(connection: Connection) -> None:
             # the distributed tables (a downgrade's guard counts what it would lose) and then
             # drops or creates a distributed function is refused otherwise.
             connection.exec_driver_sql("SET LOCAL citus.multi_shard_modify_mode = 'sequential'")
-        context.run_migrations()
+        # On Citus a migration (and distribution) changes the workers too: one that cannot be
+        # reached stops it with words that name it (`WorkerUnreachable`), nothing changed.
+        target = context.get_revision_argument()
+        if target == "head":
+            target = context.script.get_current_head()
+        at = f"at revision {current}" if current else "never migrated"
+        with reaching_workers(f"migrate the database ({at}) to revision {target}"):
+            context.run_migrations()
         # On Citus, distribute what is not distributed yet (app/distribution.py); nothing
         # on one node. In the same transaction, under the same lock.
-        distribute(connection)
+        with reaching_workers("distribute the schema on the Citus cluster"):
+            distribute(connection)
 
 
 def run_migrations_online() -> None:

@@ -67,6 +67,15 @@ def boom(value: int) -> int:
 
 
 @app.task
+def deep_failure(depth: int) -> int:
+    """Fails with a message of a deep traceback's shape: `depth` frames, then its exception."""
+    frames = "".join(
+        f'  File "shop.py", line {n}, in step_{n}\n    step_{n + 1}()\n' for n in range(depth)
+    )
+    raise RuntimeError(f"Traceback (most recent call last):\n{frames}KeyError: 'sku-{depth}'")
+
+
+@app.task
 def sleepy(seconds: float, value: Any = None) -> Any:
     time.sleep(seconds)
     return value

@@ -128,6 +128,44 @@ def test_creating_the_first_token_says_how_to_send_it_from_now_on(
     assert "anonymous" not in third.stderr  # it had already ended: revoking did not reopen it
 
 
+@pytest.mark.parametrize("name", ["sweeper", "anonymous", "cli", "cli:root", "Sweeper", "CLI:ops"])
+def test_a_token_may_not_take_a_name_the_service_writes_as_itself(
+    scratch_database: str, name: str
+) -> None:
+    migrate(scratch_database)
+    refused = steprecord(scratch_database, "token", "create", name, "--scope", "write")
+    assert refused.returncode == 1
+    assert refused.stdout == ""  # no token printed
+    assert f"cannot create token {name!r}: the service writes as {name!r} itself" in refused.stderr
+    assert "choose another name" in refused.stderr
+    with psycopg.connect(scratch_database) as conn:
+        assert conn.execute("SELECT count(*) FROM api_token").fetchone() == (0,)
+        with pytest.raises(psycopg.errors.CheckViolation) as by_hand:
+            conn.execute(
+                "INSERT INTO api_token (name, scope, token_sha256) VALUES (%s, 'write', %s)",
+                (name, new_token()[1]),
+            )
+    assert by_hand.value.diag.constraint_name == "ck_api_token_name_not_reserved"
+    for allowed in ("sweeper-ci", "ci:sweeper", "client", "anonymous2"):
+        done = steprecord(scratch_database, "token", "create", allowed, "--scope", "read")
+        assert done.returncode == 0, done.stderr
+
+
+def test_the_first_token_s_advice_names_the_configured_address(
+    scratch_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    migrate(scratch_database)
+    monkeypatch.setenv("STEPRECORD_HOST", "0.0.0.0")
+    monkeypatch.setenv("STEPRECORD_PORT", "9123")
+    done = steprecord(scratch_database, "token", "create", "first", "--scope", "write")
+    assert done.returncode == 0, done.stderr
+    assert "curl -H 'Authorization: Bearer <token>' http://127.0.0.1:9123/v1/instances" in (
+        done.stderr
+    )
+    assert "open http://127.0.0.1:9123/ui" in done.stderr
+    assert ":8000" not in done.stderr
+
+
 def test_scopes_and_unknown_tokens(server: tuple[str, str]) -> None:
     url, database_url = server
     writer, reader = insert_tokens(database_url, ("writer", "write"), ("reader", "read"))

@@ -258,6 +258,22 @@ def test_a_failing_task_is_recorded_failed_with_its_exception(
     assert (only["error_code"], only["error_message"]) == ("ValueError", "boom at 7")
 
 
+def test_a_failure_over_the_message_limit_is_recorded_with_its_head_and_its_last_line(
+    threads: Worker, raw: httpx.Client
+) -> None:
+    result = celery_tasks.deep_failure.apply_async((3000,), queue=threads.queue)
+    with pytest.raises(RuntimeError):
+        result.get(timeout=30)
+    key = str(result.id)
+    (only,) = wait_for("the failure", lambda: settled(raw, key, 1))
+    assert (only["status"], only["error_code"]) == ("failed", "RuntimeError")
+    message = only["error_message"]
+    assert len(message.encode()) <= 65536
+    assert message.startswith('Traceback (most recent call last):\n  File "shop.py", line 0')
+    assert message.endswith("KeyError: 'sku-3000'")
+    assert "bytes cut by steprecord_client to fit the 65536-byte limit" in message
+
+
 def test_a_revoked_running_task_is_recorded_failed_revoked(
     prefork: Worker, raw: httpx.Client
 ) -> None:
@@ -412,3 +428,57 @@ def test_slugs_map_task_names_into_the_slug_alphabet_and_fit_200_characters() ->
     long = step_slug_for("x" * 500, task_id)
     assert len(long) == 200
     assert long.endswith(f":{task_id}")
+
+
+def test_the_shop_example_runs_as_its_docstring_says(
+    server_url: str, raw: httpx.Client, tmp_path: Path
+) -> None:
+    """`celery -A celery_shop worker` in the examples directory, then `python celery_shop.py`:
+    the chain runs, and its instance has reserve, charge (three attempts) and ship."""
+    examples = ROOT / "clients" / "python" / "examples"
+    queue = f"steprecord-shop-{uuid.uuid4().hex[:10]}"
+    env = {
+        **os.environ,
+        "SHOP_BROKER": BROKER,
+        "SHOP_BACKEND": BACKEND,
+        "SHOP_QUEUE": queue,
+        "STEPRECORD_URL": server_url,
+    }
+    log = tmp_path / "shop-worker.log"
+    with log.open("wb") as out:
+        worker_proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "celery_shop", "worker", "--pool", "solo",
+             "--without-gossip", "--without-mingle", "--without-heartbeat", "--loglevel", "INFO"],
+            cwd=examples, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_for(
+            "the shop's worker to be ready",
+            lambda: worker_proc.poll() is not None or " ready." in log.read_text(errors="replace"),
+            seconds=30,
+        )
+        assert worker_proc.poll() is None, log.read_text(errors="replace")[-3000:]
+        sent = subprocess.run(
+            [sys.executable, "celery_shop.py"],
+            cwd=examples, env=env, capture_output=True, text=True, timeout=90,
+        )  # fmt: skip
+        assert sent.returncode == 0, sent.stderr[-3000:]
+        assert sent.stdout.strip().startswith("parcel for order-123 (ch-order-123)")
+        (only,) = raw.get("/v1/instances").json()["items"]  # the shared tables start empty
+        steps = wait_for("the shop's three steps", lambda: settled(raw, only["instance_key"], 3))
+        assert [(r["step_slug"].split(":")[0], r["attempt_count"]) for r in steps] == [
+            ("shop.reserve", 1),
+            ("shop.charge", 3),
+            ("shop.ship", 1),
+        ]
+    finally:
+        worker_proc.send_signal(signal.SIGQUIT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            worker_proc.wait(5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker_proc.pid, signal.SIGKILL)
+        worker_proc.wait()
+        with app.connection_for_write() as conn:
+            Queue(queue, Exchange(queue, type="direct"), routing_key=queue)(
+                conn.default_channel
+            ).delete()

@@ -17,6 +17,7 @@ from app.data.judge import APPLY_EVENT
 from tests.helpers import (
     CitusCluster,
     attempts,
+    eventually,
     migrated_database,
     one_key_per_worker,
     post,
@@ -257,3 +258,56 @@ def test_a_batch_group_whose_worker_is_down_answers_503_and_the_other_groups_com
         seconds=60,
     )
     assert [x["record"]["ordinal"] for x in again.json()["results"]] == [0, 1]
+
+
+# The sessions a node holds for the test's database under the application name the test gives
+# its service (Citus's own connections name themselves `citus_internal …`).
+SERVICE_SESSIONS = """
+SELECT count(*) FROM pg_stat_activity
+WHERE datname = current_database() AND application_name = 'steprecord-direct-test'
+"""
+
+
+def test_the_service_sends_each_instance_s_events_to_the_node_that_holds_it(
+    citus: CitusCluster, cluster_database: str
+) -> None:
+    """With the shard map (the default), a service's events, heartbeats and reads of one
+    instance reach each worker over connections of its own; with
+    `STEPRECORD_CITUS_DIRECT=false` they all go through the coordinator, which delegates them
+    (the workers see only Citus's connections)."""
+    name = psycopg.conninfo.conninfo_to_dict(cluster_database)["dbname"]
+    assert isinstance(name, str)
+    workers = [on_node(worker.url, name) for worker in citus.workers]
+
+    def sessions() -> list[int]:
+        counts = []
+        for url in workers:
+            with psycopg.connect(url, autocommit=True) as conn:
+                row = conn.execute(SERVICE_SESSIONS).fetchone()
+                assert row is not None
+                counts.append(int(row[0]))
+        return counts
+
+    for direct, expected in (("false", False), ("true", True)):
+        base, proc = start_server(
+            psycopg.conninfo.make_conninfo(
+                cluster_database, application_name="steprecord-direct-test"
+            ),
+            env={"STEPRECORD_SWEEP_SECONDS": "0", "STEPRECORD_CITUS_DIRECT": direct},
+        )
+        try:
+            keys = one_key_per_worker(cluster_database, citus)
+            with httpx.Client(base_url=base, timeout=30) as client:
+                for key in keys:
+                    body = {"attempt": 1, "lease_seconds": 60}
+                    assert post(client, "start", body, key, "s").status_code == 201
+                    beat = post(client, "heartbeat", body, key, "s")
+                    assert beat.status_code == 200, beat.text
+                    assert record(client, key, "s")["status"] == "running"
+                events = [{"instance_key": key, "step_slug": "b", "kind": "start"} for key in keys]
+                answer = client.post("/v1/events", json={"events": events})
+                assert [r["status"] for r in answer.json()["results"]] == [201, 201]
+                assert [all(n > 0 for n in sessions())] == [expected]
+        finally:
+            stop(proc)
+        eventually(lambda: sessions() == [0, 0], what="the service's sessions to end")

@@ -67,7 +67,9 @@ def instance_id(conn: psycopg.Connection[Any], key: str) -> int:
 def one_instance_reads(conn: psycopg.Connection[Any]) -> list[tuple[str, dict[str, Any]]]:
     the_id = instance_id(conn, KEY)
     slug = {"instance_key": KEY, "step_slug": "step-3"}
-    page = "SELECT * FROM steprecord_list_page(%(key)s, %(order)s, -1, %(at)s, 0, NULL, 11)"
+    page = (
+        "SELECT * FROM steprecord_list_page(%(key)s, %(order)s, -1, %(at)s, 0, NULL, 11, 1000000)"
+    )
     return [
         (reads.GET_STEP, slug),
         (reads.GET_INSTANCE, {"instance_key": KEY}),
@@ -186,10 +188,14 @@ def test_delete_removes_the_instance_on_its_worker_and_notifies_the_coordinator(
             async with await psycopg.AsyncConnection.connect(
                 cluster_url, autocommit=True, row_factory=dict_row
             ) as writer:
-                refused = await retention.delete_instance(writer, "r2", force=False)
+                refused = await retention.delete_instance(
+                    writer, "r2", force=False, erase_repairs=True
+                )
                 assert not refused.deleted
                 assert refused.running > 0
-                deleted = await retention.delete_instance(writer, "r2", force=True)
+                deleted = await retention.delete_instance(
+                    writer, "r2", force=True, erase_repairs=True
+                )
             heard = [n.payload async for n in ear.notifies(timeout=5, stop_after=1)]
         return deleted, heard
 

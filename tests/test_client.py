@@ -28,6 +28,7 @@ from steprecord_client import (
     StaleAttempt,
     StepRecordError,
     current_instance,
+    fit_message,
 )
 
 from tests.helpers import eventually
@@ -327,7 +328,49 @@ def test_error_code_and_message_are_made_acceptable_to_the_service(
     assert "\x00" not in stored
     assert stored.startswith("nul\ufffdhere é")
     assert len(stored.encode("utf-8")) <= 65536
-    assert message.replace("\x00", "\ufffd").startswith(stored)  # cut on a character boundary
+    head, marker, tail = stored.partition("\n[... ")
+    sent = message.replace("\x00", "\ufffd")
+    assert marker
+    assert sent.startswith(head)
+    assert sent.endswith(tail.partition(" ...]\n")[2])
+
+
+def test_a_traceback_over_the_limit_keeps_its_head_and_its_exception_line_and_says_what_was_cut(
+    rec: Recorder, raw: httpx.Client
+) -> None:
+    frames = "".join(f'  File "app.py", line {n}, in f{n}\n    f{n + 1}()\n' for n in range(4000))
+    traceback = f"Traceback (most recent call last):\n{frames}ZeroDivisionError: division by zero"
+    assert len(traceback.encode()) > 2 * 65536
+
+    @rec.step("deep")
+    def deep() -> None:
+        raise RuntimeError(traceback)
+
+    with rec.instance("order-8"), pytest.raises(RuntimeError):
+        deep()
+
+    stored = must_get(raw, "order-8", "deep")["error_message"]
+    assert 65000 < len(stored.encode("utf-8")) <= 65536
+    assert stored.startswith('Traceback (most recent call last):\n  File "app.py", line 0, in f0')
+    assert stored.endswith("\nZeroDivisionError: division by zero")
+    head, _marker, tail = stored.partition("\n[... ")
+    cut = int(tail.split(" ", 1)[0])
+    assert tail.split(" ", 1)[1].startswith("bytes cut by steprecord_client")
+    assert traceback.startswith(head)
+    assert traceback.endswith(tail.partition(" ...]\n")[2])
+    assert len(head.encode()) + cut + len(tail.partition(" ...]\n")[2].encode()) == len(
+        traceback.encode()
+    )
+
+
+def test_fit_message_keeps_a_message_within_the_limit_as_it_is_and_cuts_on_characters() -> None:
+    assert fit_message("é" * 32768) == "é" * 32768  # 65536 bytes: fits
+    for char in ("é", "€", "😀"):
+        fitted = fit_message(char * 70000)
+        assert len(fitted.encode("utf-8")) <= 65536  # encodes: no broken character
+        head, _, rest = fitted.partition("\n[... ")
+        assert set(head) == {char}
+        assert set(rest.partition(" ...]\n")[2]) == {char}
 
 
 def test_retries_take_new_attempts_until_the_step_succeeds(

@@ -69,8 +69,10 @@ def test_serve_help_shows_the_defaults_and_every_environment_variable(
         main(["serve", "--help"])
     assert exited.value.code == 0
     text = capsys.readouterr().out
-    assert "(default: 127.0.0.1)" in text
-    assert "(default: 8000)" in text
+    words = " ".join(text.split())  # argparse wraps the options' help
+    assert "(default: STEPRECORD_HOST, else 127.0.0.1)" in words
+    assert "(default: STEPRECORD_PORT, else 8000)" in words
+    assert re.search(r"STEPRECORD_PORT +default: 8000\n", text)
     assert "(default: 1)" in text
     for name, field in Settings.model_fields.items():
         alias = field.validation_alias
@@ -114,6 +116,24 @@ def test_output_too_large_says_its_size_as_stored_and_the_limit(client: httpx.Cl
     in_batch = batch_problem(client, event)
     assert (in_batch["status"], in_batch["code"]) == (413, "output_too_large")
     assert "the output is 1048578 bytes" in in_batch["detail"]
+
+
+def test_a_message_over_the_limit_says_the_limit_and_that_the_python_client_fits_it(
+    client: httpx.Client,
+) -> None:
+    message = "Traceback (most recent call last):\n" + "x" * 70000 + "\nKeyError: 'sku'"
+    failure = {"started_at": T1, "error_code": "KeyError", "error_message": message}
+    found = problem(
+        post(client, "fail", failure),
+        422,
+        "validation_error",
+    )
+    size = len(message.encode())
+    assert found["errors"][0]["field"] == "error_message"
+    assert f"is {size} bytes of UTF-8, over the limit of 65536" in found["detail"]
+    assert "its head and its tail" in found["detail"]
+    assert "steprecord_client.fit_message" in found["detail"]
+    assert "Celery integration" in found["detail"]
 
 
 def test_client_surfaces_output_too_large_with_its_size(server_url: str) -> None:
@@ -411,9 +431,11 @@ def test_the_sign_in_page_says_why_a_proxied_browser_needs_a_token(client: httpx
 
 def _serve(env: dict[str, str], *extra: str) -> tuple[str, subprocess.Popen[bytes], str]:
     """`steprecord serve` started in a subprocess, once ready: (url, process, its banner)."""
-    port = free_port()
+    configured = env.get("STEPRECORD_PORT")
+    port = int(configured) if configured else free_port()
+    options = () if configured else ("--port", str(port))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), *extra],
+        [sys.executable, "-m", "app.cli", "serve", *options, *extra],
         env=env,
         cwd=ROOT,
         stderr=subprocess.PIPE,
@@ -457,6 +479,35 @@ def test_serve_prints_the_pages_to_open_and_says_when_it_stops(
     assert proc.returncode == 0
     assert f"steprecord stopped listening on {url}\n" in said
     assert "embedded" not in said
+
+
+def test_serve_listens_where_steprecord_host_and_port_say(own_database: str) -> None:
+    env = {**os.environ, "DATABASE_URL": own_database, "STEPRECORD_PORT": str(free_port())}
+    env["STEPRECORD_HOST"] = "127.0.0.1"
+    url, proc, banner = _serve(env)
+    try:
+        assert f"steprecord listening on {url} (workers: 1)" in banner
+        assert httpx.get(f"{url}/healthz").status_code == 200
+    finally:
+        _stopped(proc)
+    assert proc.returncode == 0
+
+
+def test_only_serve_says_where_the_embedded_database_keeps_its_data(server_dir: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    env["STEPRECORD_DATA_DIR"] = str(server_dir / "data")
+    for command in (["migrate"], ["token", "list"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "app.cli", *command],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert "embedded PostgreSQL" not in done.stderr
+        assert "its data is in" not in done.stderr
 
 
 def test_serve_says_the_embedded_database_listens_on_a_unix_socket(server_dir: Path) -> None:

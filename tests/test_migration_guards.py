@@ -77,6 +77,35 @@ def test_0019_refuses_undelimited_prefixes_naming_the_tokens_until_they_are_resc
     command.upgrade(config, "head")
 
 
+def test_0031_refuses_tokens_named_as_the_service_names_itself_until_they_are_renamed(
+    scratch_database: str,
+) -> None:
+    config = config_for(scratch_database)
+    command.upgrade(config, "0030")
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO api_token (name, scope, token_sha256) VALUES"
+            " ('sweeper', 'write', sha256('s')), ('cli:root', 'admin', sha256('c')),"
+            " ('ci', 'write', sha256('x'))"
+        )
+    with pytest.raises(MigrationRefused) as refused:
+        command.upgrade(config, "0031")
+    message = str(refused.value)
+    assert "the tokens cli:root, sweeper are named as the service names itself" in message
+    assert "UPDATE api_token SET name" in message
+    assert revision_of(scratch_database) == "0030"
+    assert "ck_api_token_name_not_reserved" not in constraints_of_api_token(scratch_database)
+
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        conn.execute("UPDATE api_token SET name = 'ci-sweeper' WHERE name = 'sweeper'")
+        conn.execute("DELETE FROM api_token WHERE name = 'cli:root'")
+    command.upgrade(config, "0031")
+    assert "ck_api_token_name_not_reserved" in constraints_of_api_token(scratch_database)
+    command.downgrade(config, "0030")
+    assert "ck_api_token_name_not_reserved" not in constraints_of_api_token(scratch_database)
+    command.upgrade(config, "head")
+
+
 # --- downgrades that would widen access or drop data ---------------------------------------
 
 INSTANCE = (
@@ -191,6 +220,43 @@ def test_a_downgrade_that_would_lose_data_or_widen_access_refuses_unless_forced(
     assert loss.named in said
     if loss.target != "base":
         assert revision_of(scratch_database) == loss.target
+    command.upgrade(config, "head")
+
+
+COMPLETED_STEP = """
+INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attempt_count,
+                                  started_at, completed_at)
+SELECT id, 'a', 0, 'completed', 1, now(), now() FROM process_instance WHERE instance_key = 'run-1'
+"""
+# Revision 0024's reopen: the only writer of the repair log.
+REOPEN = (
+    "SELECT outcome FROM steprecord_reopen(steprecord_instance_id('run-1'), 'run-1', 'a', 1,"
+    " 'charged twice', 'ops')"
+)
+
+
+def test_the_downgrade_of_0024_refuses_to_drop_the_repair_log_unless_forced(
+    scratch_database: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # At 0024 itself: above it, a reopen names its writer, and 0025 would refuse first.
+    config = config_for(scratch_database)
+    command.upgrade(config, "0024")
+    run_sql(scratch_database, [INSTANCE, COMPLETED_STEP, REOPEN])
+    with pytest.raises(MigrationRefused) as refused:
+        command.downgrade(config, "0023")
+    named = "1 repairs of 1 instances (workflow_step_repair: who reopened which step, and why)"
+    assert named in str(refused.value)
+    assert "force=true" in str(refused.value)
+    assert revision_of(scratch_database) == "0024"
+
+    forced = config_for(scratch_database)
+    forced.attributes["force"] = True
+    command.downgrade(forced, "0023")
+    assert named in capsys.readouterr().err
+    assert revision_of(scratch_database) == "0023"
+
+    command.upgrade(config, "0024")  # with no repair logged, it proceeds unforced
+    command.downgrade(config, "0023")
     command.upgrade(config, "head")
 
 

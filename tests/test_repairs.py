@@ -6,7 +6,8 @@ Most tests use the shared anonymous server (loopback: its writer is `anonymous`)
 tests run a server of their own with tokens."""
 
 import asyncio
-import getpass
+import os
+import pwd
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -347,14 +348,21 @@ def test_deleting_the_instance_removes_its_repair_log(
 def test_the_cli_s_writer_name_keeps_to_the_writers_alphabet(
     monkeypatch: pytest.MonkeyPatch, user: str, name: str | None
 ) -> None:
-    monkeypatch.setattr(getpass, "getuser", lambda: user)
+    entry = pwd.getpwuid(os.getuid())
+    named = pwd.struct_passwd((user, *entry[1:]))
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: named if uid == entry.pw_uid else None)
     written = writer_name()
     assert re.fullmatch(WRITER_NAME, written), written
     assert written == (name or ("cli:" + user)[:200])
 
 
-def test_cli_reopens_and_logs_its_writer(client: httpx.Client, database_url: str) -> None:
+def test_cli_reopens_and_logs_its_writer(
+    client: httpx.Client, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     failed(client)
+    # The environment names someone else: the writer is the user the system runs it as.
+    monkeypatch.setenv("USER", "sweeper")
+    monkeypatch.setenv("LOGNAME", "sweeper")
     done = steprecord(
         database_url, "repair", "reopen", "order-1", "charge", "--reason", REASON, "--attempt", "1"
     )
@@ -362,7 +370,7 @@ def test_cli_reopens_and_logs_its_writer(client: httpx.Client, database_url: str
     assert '"status":"pending"' in done.stdout
     assert "attempt 2" in done.stderr
     (logged,) = repairs(client)["items"]
-    assert logged["by"].startswith("cli")
+    assert logged["by"] == writer_name() == "cli:" + pwd.getpwuid(os.getuid()).pw_name
     assert logged["reason"] == REASON
     assert record(client)["updated_by"] == logged["by"]
     again = steprecord(database_url, "repair", "reopen", "order-1", "charge", "--reason", REASON)
@@ -483,6 +491,31 @@ def test_reopen_needs_an_admin_token_and_stays_inside_its_prefix(with_tokens: To
         assert [r["by"] for r in logs["globex-1"]] == ["ops-admin"]
 
 
+def test_deleting_a_repaired_instance_needs_an_admin_token(with_tokens: Tokens) -> None:
+    t: Any = with_tokens
+    with httpx.Client(base_url=t.url, timeout=30) as http:
+        for key in ("fixed-1", "plain-1"):
+            for kind in ("start", "complete"):
+                answer = http.post(
+                    f"{step_path(key)}/{kind}", json={"attempt": 1}, headers=t.writer
+                )
+                assert answer.is_success, answer.text
+        assert reopen(http, {"reason": REASON}, "fixed-1", headers=t.admin).status_code == 200
+        for force in ("false", "true"):
+            refused = problem(
+                http.delete(f"/v1/instances/fixed-1?force={force}", headers=t.writer),
+                403,
+                "forbidden",
+            )
+            assert "'fixed-1' has 1 repair in its repair log" in refused["detail"]
+            assert "--scope admin" in refused["detail"]
+        logged = http.get("/v1/instances/fixed-1/repairs", headers=t.reader).json()["items"]
+        assert len(logged) == 1  # nothing was deleted
+        assert http.delete("/v1/instances/plain-1", headers=t.writer).status_code == 204
+        assert http.delete("/v1/instances/fixed-1", headers=t.admin).status_code == 204
+        assert http.get("/v1/instances/fixed-1", headers=t.reader).status_code == 404
+
+
 # --- the migration -------------------------------------------------------------------------
 
 
@@ -510,10 +543,9 @@ def test_migration_0024_downgrades_with_repairs_and_admin_tokens_and_upgrades_ag
         )
     config = alembic_config()
     config.attributes["database_url"] = scratch_database
-    # The reopen named its writer (updated_by): 0025's downgrade drops it only when forced.
+    # The reopen named its writer (updated_by) and logged a repair: 0025's downgrade drops
+    # the one and 0024's the other only when forced.
     config.attributes["force"] = True
-    command.downgrade(config, "0024")
-    config.attributes["force"] = False
     command.downgrade(config, "0023")
     with psycopg.connect(scratch_database, autocommit=True) as conn:
         assert conn.execute("SELECT name FROM api_token").fetchall() == [("ci",)]

@@ -17,6 +17,7 @@ import httpx
 import psycopg
 import pytest
 from playwright.sync_api import Browser, Page, expect
+from steprecord_client import fit_message
 
 from app import sessions
 from app.access import new_token
@@ -269,6 +270,37 @@ def test_failing_now_and_stuck_list_steps_across_instances(client: httpx.Client)
             break
         assert time.monotonic() < deadline, "the expired lease never showed"
         time.sleep(0.1)
+
+
+TRACEBACK = (
+    "Traceback (most recent call last):\n"
+    + "".join(f'  File "shop.py", line {n}, in step_{n}\n    step_{n + 1}()\n' for n in range(2000))
+    + "KeyError: 'sku-9'\n\n"
+)
+
+
+def test_a_failed_step_s_reason_is_a_traceback_s_exception_line_or_a_message_s_first_line(
+    client: httpx.Client,
+) -> None:
+    deep = fit_message(TRACEBACK)  # over 64 KiB: its head and its tail, as the client sends it
+    assert len(TRACEBACK.encode()) > 65536
+    assert deep.endswith("KeyError: 'sku-9'\n\n")
+    for slug, message in [("pay", deep), ("ship", "no carrier for the zone\nzone: 7; tried: 3")]:
+        assert post(client, "start", None, "order-1", slug).is_success
+        failure = {"error_code": "E", "error_message": message}
+        assert post(client, "fail", failure, "order-1", slug).is_success
+
+    page = unescape(html(client, "/ui/instances/order-1"))
+    rows = dict(re.findall(r'<tr data-step="(\w+)".*?<td class="error"[^>]*>(.*?)</td>', page))
+    assert rows["pay"] == "<code>E</code>: KeyError: 'sku-9'"
+    assert rows["ship"] == "<code>E</code>: no carrier for the zone"
+    tips = re.findall(r'<rect class="bar failed"[^>]*aria-label="([^"]*)"', page)
+    assert any("error: E: KeyError: 'sku-9'" in tip for tip in tips), tips
+    assert "Traceback (most recent" not in page
+
+    failing = unescape(html(client, "/ui/failing"))
+    hints = re.findall(r'<div class="hint">(.*?)</div>', failing)
+    assert sorted(hints) == ["KeyError: 'sku-9'", "no carrier for the zone"]
 
 
 def test_the_assets_are_served_by_the_service(client: httpx.Client) -> None:

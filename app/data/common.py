@@ -28,14 +28,15 @@ def violation(exc: psycopg.errors.IntegrityError) -> ConstraintViolation:
 
 
 # On Citus a refusal raised on a worker reaches the coordinator's client with its SQLSTATE and
-# message but without the constraint's name, and a unique, primary or foreign key is the
-# shard's copy, named `<name>_<shard id>`. The name is in PostgreSQL's own message
+# message but without the constraint's name, and a constraint is the shard's copy, named
+# `<name>_<shard id>` (also in the name a worker's own session reports, when the service
+# calls the worker directly). The name is in PostgreSQL's own message
 # (`... constraint "<name>"`); the guards' triggers (app/sql/record_guard.sql,
 # attempt_history.sql, repair_log.sql) begin theirs with the table they guard.
 # A name too long for its shard's suffix Citus shortens first: a prefix of it, then a hash
 # (`<prefix>_<8 hex digits>_<shard id>`); the key is the schema's one that begins so.
 _NAMED = re.compile(r'constraint "([^"]+)"')
-_SHARD_SUFFIX = re.compile(r"^((?:pk|uq|fk)_\w+?)_[0-9]+$")
+_SHARD_SUFFIX = re.compile(r"^((?:pk|uq|fk|ck)_\w+?)_[0-9]+$")
 _SHORTENED = re.compile(r"^((?:pk|uq|fk)_\w+)_[0-9a-f]{8}_[0-9]+$")
 _KEYS = sorted(
     str(constraint.name)
@@ -52,18 +53,17 @@ _GUARDS = (
 
 def constraint_name(exc: psycopg.Error) -> str | None:
     """The name of the constraint (or guard trigger) that refused a write, as on one node."""
-    if exc.diag.constraint_name:
-        return exc.diag.constraint_name
     message = exc.diag.message_primary or ""
     named = _NAMED.search(message)
-    if named:
-        shortened = _SHORTENED.match(named[1])
+    name = exc.diag.constraint_name or (named[1] if named else None)
+    if name:
+        shortened = _SHORTENED.match(name)
         if shortened:
             key = next((key for key in _KEYS if key.startswith(shortened[1])), None)
             if key is not None:
                 return key
-        shard = _SHARD_SUFFIX.match(named[1])
-        return shard[1] if shard else named[1]
+        shard = _SHARD_SUFFIX.match(name)
+        return shard[1] if shard else name
     if isinstance(exc, psycopg.errors.CheckViolation):
         for pattern, name in _GUARDS:
             if pattern.match(message):

@@ -8,8 +8,16 @@ from app.data.reads import IN_PREFIX, prefix_params
 from app.data.stats import CELERY_TASK_ID
 from app.db import AsyncConn
 
-# An error message's first line (the step page shows it whole), cut to 300 characters.
-ERROR_LINE = "left(split_part({m}, E'\\n', 1), 300) AS error_line"
+# How a Python traceback starts.
+TRACEBACK = "Traceback (most recent call last):"
+
+# An error message's line that says why (the step page shows it whole), cut to 300
+# characters: for a Python traceback its last line that is not blank, the exception (its
+# first line is only "Traceback (most recent call last):"), else its first line. Read from the
+# end by `reverse`, in linear time, so it costs little even for a message of 64 KiB.
+ERROR_LINE = f"""left(CASE WHEN strpos({{m}}, '{TRACEBACK}') > 0
+    THEN btrim(reverse(split_part(reverse(rtrim({{m}}, E' \\t\\r\\n')), E'\\n', 1)))
+    ELSE split_part({{m}}, E'\\n', 1) END, 300) AS error_line"""
 
 # Everything the instance page shows of its steps, without outputs and with only the first
 # line of an error message (the step page shows both whole): one statement for the records,

@@ -11,6 +11,7 @@ from weakref import WeakKeyDictionary
 
 import psycopg
 
+from app.data import placement
 from app.data.common import RECORD, constraint_name, violation, with_key
 from app.db import AsyncConn, DatabaseUnavailable, public_reason
 from app.domain import (
@@ -47,7 +48,6 @@ APPLY_EVENT = (
     " $10::text, $11::text, $12::bigint, $13::int, $14::text, $15::text)"
 )
 
-HAS_CITUS = "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') AS citus"
 
 # An event with no row in the answer lost a race with a concurrent creator of its instance (the
 # statement's snapshot could not see the new row); a collision on the step's unique key (a
@@ -151,8 +151,7 @@ _CITUS: WeakKeyDictionary[AsyncConn, bool] = WeakKeyDictionary()
 async def _citus(conn: AsyncConn) -> bool:
     citus = _CITUS.get(conn)
     if citus is None:
-        row = await (await conn.execute(HAS_CITUS)).fetchone()
-        citus = _CITUS[conn] = bool(row and row["citus"])
+        citus = _CITUS[conn] = await placement.has_citus(conn)
     return citus
 
 

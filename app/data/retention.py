@@ -36,8 +36,12 @@ WITH records AS (
     ORDER BY r.id
     FOR UPDATE OF r
 ),
+repairs AS (
+    SELECT count(*) AS n FROM workflow_step_repair WHERE instance_id = %(id)s
+),
 allowed AS (
-    SELECT WHERE %(force)s OR NOT EXISTS (SELECT 1 FROM records WHERE status = 'running')
+    SELECT WHERE (%(force)s OR NOT EXISTS (SELECT 1 FROM records WHERE status = 'running'))
+             AND (%(erase_repairs)s OR (SELECT n FROM repairs) = 0)
 ),
 gone_records AS (
     DELETE FROM workflow_step_record r
@@ -48,6 +52,7 @@ gone AS (
     WHERE p.id = %(id)s AND EXISTS (SELECT FROM allowed) RETURNING p.id
 )
 SELECT (SELECT count(*) FROM records WHERE status = 'running') AS running,
+       (SELECT n FROM repairs) AS repairs,
        (SELECT count(*) FROM gone) AS deleted
 """
 TELL_DELETED = "SELECT pg_notify('steprecord_changes', %(id)s::bigint::text)"
@@ -55,23 +60,35 @@ TELL_DELETED = "SELECT pg_notify('steprecord_changes', %(id)s::bigint::text)"
 
 @dataclass(frozen=True, slots=True)
 class Deletion:
-    deleted: bool  # False: the instance stays, it has running steps (and force was not given)
+    # False: the instance stays: it has running steps (and force was not given), or repairs
+    # (and erase_repairs was not given)
+    deleted: bool
     running: int  # its running steps when it was judged
+    repairs: int  # the repairs in its log when it was judged
 
 
-async def delete_instance(conn: AsyncConn, instance_key: str, *, force: bool) -> Deletion:
-    """Lock the instance, then judge and delete it (see `LOCK_INSTANCE`)."""
+async def delete_instance(
+    conn: AsyncConn, instance_key: str, *, force: bool, erase_repairs: bool
+) -> Deletion:
+    """Lock the instance, then judge and delete it (see `LOCK_INSTANCE`). Its repair log goes
+    with it, so an instance with repairs goes only with `erase_repairs`. A reopen writing the
+    log holds the instance's key share (the log's foreign key) until it commits, so the lock
+    waits for it, and the judgement sees its repair."""
     async with conn.transaction():
         cur = await conn.execute(LOCK_INSTANCE, {"instance_key": instance_key})
         locked = await cur.fetchone()
         if locked is None:
             raise InstanceNotFound(instance_key)
-        cur = await conn.execute(DELETE_LOCKED, {"id": locked["id"], "force": force})
+        cur = await conn.execute(
+            DELETE_LOCKED, {"id": locked["id"], "force": force, "erase_repairs": erase_repairs}
+        )
         row = await cur.fetchone()
         assert row is not None
         if row["deleted"] > 0:
             await conn.execute(TELL_DELETED, {"id": locked["id"]})
-    return Deletion(deleted=row["deleted"] > 0, running=int(row["running"]))
+    return Deletion(
+        deleted=row["deleted"] > 0, running=int(row["running"]), repairs=int(row["repairs"])
+    )
 
 
 # --- pruning: every instance whose last write is before a cutoff -----------------------------

@@ -1,7 +1,7 @@
 """What every route module shares: the route class, parameter types, pools, bodies, answers."""
 
-from collections.abc import Callable, Coroutine
-from typing import Annotated, Any, Literal
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import Path, Query, Request
 from fastapi.dependencies.models import Dependant
@@ -9,10 +9,11 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import AwareDatetime, BeforeValidator, StringConstraints
 
-from app.db import Pool
+from app.db import AsyncConn, Pool
 from app.errors import Problem, validation_problem
 from app.limits import MAX_OUTPUT_BYTES, NAME_PATTERN
 from app.models import STATUSES
+from app.nodes import Nodes
 from app.replica import ReadPool
 from app.serialize import (
     MAX_DEPTH,
@@ -101,6 +102,32 @@ def primary_pool(request: Request) -> Pool:
     """The primary: writes, heartbeats and the schema check."""
     pool: Pool = request.app.state.pool
     return pool
+
+
+async def pools_for(request: Request, keys: list[str]) -> list[Pool]:
+    """The pool for each instance key's writes: on Citus its node's (app/nodes.py), else the
+    primary's."""
+    nodes: Nodes | None = request.app.state.nodes
+    if nodes is None:
+        return [primary_pool(request)] * len(keys)
+    return await nodes.pools_of(keys)
+
+
+T = TypeVar("T")
+
+
+async def read_instance(
+    request: Request, instance_key: str, work: Callable[[AsyncConn], Awaitable[T]]
+) -> T:
+    """A read of one instance: on Citus on the node that holds it (app/nodes.py), else as
+    `read_pool` reads."""
+    nodes: Nodes | None = request.app.state.nodes
+    if nodes is not None:
+        (pool,) = await nodes.pools_of([instance_key])
+        if pool is not primary_pool(request):
+            async with pool.connection(name=work) as conn:
+                return await work(conn)
+    return await read_pool(request).run(work)
 
 
 def read_pool(request: Request) -> ReadPool:

@@ -9,6 +9,7 @@ from fastapi.responses import Response
 from app import access, observe, schemas, tenancy, tracing
 from app.bodies import BODIES, KINDS, parse_batch_event, parse_envelope, parse_event
 from app.data import judge
+from app.db import DatabaseUnavailable, Pool, TokenBusy
 from app.domain import ConstraintViolation, Event, InvalidData, Kind, Result
 from app.errors import Problem, to_problem
 from app.routes.common import (
@@ -19,7 +20,7 @@ from app.routes.common import (
     KnownQuery,
     StepSlug,
     json_response,
-    primary_pool,
+    pools_for,
     read_json,
 )
 from app.routes.refusals import judged
@@ -51,7 +52,8 @@ def _event_route(kind: Kind) -> None:
             observe.count_event(kind, "refused")
             raise
         trace_id = tracing.trace_id(request)  # the attempt this event starts keeps it
-        async with primary_pool(request).connection(name="apply_event") as conn:
+        (pool,) = await pools_for(request, [instance_key])
+        async with pool.connection(name="apply_event") as conn:
             try:
                 result = await judge.apply_event(
                     conn, event, writer=writer_of(request), trace_id=trace_id
@@ -117,10 +119,7 @@ async def post_events(request: Request) -> Response:
             parsed.append(problem)
     valid = [event for event in parsed if isinstance(event, Event)]
     trace_id = tracing.trace_id(request)  # one request: the attempts it starts share its trace
-    async with primary_pool(request).connection(name="apply_events") as conn:
-        applied = iter(
-            await judge.apply_events(conn, valid, writer=writer_of(request), trace_id=trace_id)
-        )
+    applied = iter(await _apply(request, valid, trace_id))
     results = []
     counts: Counter[tuple[str, str]] = Counter()
     for item, event in zip(items, parsed, strict=True):
@@ -131,6 +130,31 @@ async def post_events(request: Request) -> Response:
     for (kind, outcome), amount in counts.items():
         observe.count_event(kind, outcome, amount)
     return json_response({"results": results})
+
+
+async def _apply(
+    request: Request, events: list[Event], trace_id: str | None
+) -> list[Result | Exception]:
+    """Judge the events, each instance's on its node's pool (on one node, all on the primary);
+    a node that cannot be reached answers its events 503 when others could."""
+    by_pool: dict[Pool, list[int]] = {}
+    for index, pool in enumerate(await pools_for(request, [e.instance_key for e in events])):
+        by_pool.setdefault(pool, []).append(index)
+    outcomes: list[Result | Exception | None] = [None] * len(events)
+    for pool, indexes in by_pool.items():
+        subset = [events[index] for index in indexes]
+        try:
+            async with pool.connection(name="apply_events") as conn:
+                answers = await judge.apply_events(
+                    conn, subset, writer=writer_of(request), trace_id=trace_id
+                )
+        except DatabaseUnavailable as exc:
+            if len(by_pool) == 1 or isinstance(exc, TokenBusy):
+                raise
+            answers = [exc] * len(subset)
+        for index, answer in zip(indexes, answers, strict=True):
+            outcomes[index] = answer
+    return [outcome for outcome in outcomes if outcome is not None]
 
 
 def _key_of(item: Any) -> str | None:

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from app import cursors, schemas, tenancy
+from app import access, cursors, schemas, tenancy
 from app.data import reads, retention
 from app.errors import Problem
 from app.routes.common import (
@@ -15,6 +15,7 @@ from app.routes.common import (
     PageLimit,
     json_response,
     primary_pool,
+    read_instance,
     read_pool,
 )
 
@@ -29,7 +30,9 @@ router = APIRouter(route_class=KnownQuery)
 )
 async def get_instance(request: Request, instance_key: InstanceKey) -> Response:
     tenancy.check_read(request.scope, instance_key)
-    instance = await read_pool(request).run(lambda conn: reads.get_instance(conn, instance_key))
+    instance = await read_instance(
+        request, instance_key, lambda conn: reads.get_instance(conn, instance_key)
+    )
     return json_response(instance)
 
 
@@ -58,7 +61,8 @@ async def list_instances(
     status_code=204,
     response_class=Response,
     tags=["events"],
-    summary="Delete an instance with its records and their history",
+    summary="Delete an instance with its records, their history and its repair log",
+    description="Write scope; an instance with repairs in its repair log needs admin scope.",
     responses=schemas.delete_responses(),
 )
 async def delete_instance(
@@ -70,8 +74,20 @@ async def delete_instance(
     ] = "false",
 ) -> Response:
     tenancy.check_write(request.scope, [instance_key])
+    admin = access.admission_of(request.scope).allows("admin")
     async with primary_pool(request).connection() as conn:
-        deletion = await retention.delete_instance(conn, instance_key, force=force == "true")
+        deletion = await retention.delete_instance(
+            conn, instance_key, force=force == "true", erase_repairs=admin
+        )
+    if not deletion.deleted and deletion.repairs and not admin:
+        repairs = "repair" if deletion.repairs == 1 else "repairs"
+        raise Problem(
+            403,
+            "forbidden",
+            f"{instance_key!r} has {deletion.repairs} {repairs} in its repair log, which deleting"
+            " it would erase: only a token of scope admin may delete an instance that was"
+            " repaired (steprecord token create NAME --scope admin); nothing was deleted",
+        )
     if not deletion.deleted:
         steps = "step is" if deletion.running == 1 else "steps are"
         raise Problem(

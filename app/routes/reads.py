@@ -22,6 +22,7 @@ from app.routes.common import (
     StatusFilter,
     StepSlug,
     json_response,
+    read_instance,
     read_pool,
     statuses,
 )
@@ -57,10 +58,12 @@ async def list_steps(
     tenancy.check_read(request.scope, instance_key)
     only = statuses(status)
     after = None if cursor is None else cursors.steps_position(order, cursor)
-    page = await read_pool(request).run(
+    page = await read_instance(
+        request,
+        instance_key,
         lambda conn: data.list_steps(
             conn, instance_key, order=order, after=after, statuses=only, limit=limit
-        )
+        ),
     )
     summary = fields == "summary"
     return _page(page, lambda r: shown(r, summary), lambda r: cursors.steps_cursor(order, r))
@@ -79,7 +82,9 @@ async def get_step(
     fields: Fields = "full",
 ) -> Response:
     tenancy.check_read(request.scope, instance_key)
-    record = await read_pool(request).run(lambda conn: data.get_step(conn, instance_key, step_slug))
+    record = await read_instance(
+        request, instance_key, lambda conn: data.get_step(conn, instance_key, step_slug)
+    )
     return json_response(record_json(record, fields == "summary"))
 
 
@@ -99,8 +104,10 @@ async def list_attempts(
 ) -> Response:
     tenancy.check_read(request.scope, instance_key)
     after = None if cursor is None else cursors.attempts_position(cursor)
-    page = await read_pool(request).run(
-        lambda conn: data.list_attempts(conn, instance_key, step_slug, after=after, limit=limit)
+    page = await read_instance(
+        request,
+        instance_key,
+        lambda conn: data.list_attempts(conn, instance_key, step_slug, after=after, limit=limit),
     )
     return _page(page, lambda a: attempt_json(a, fields == "summary"), cursors.attempts_cursor)
 

@@ -18,8 +18,8 @@ from app.routes.common import (
     StepSlug,
     json_response,
     primary_pool,
+    read_instance,
     read_json,
-    read_pool,
 )
 from app.serialize import record_json
 
@@ -93,8 +93,10 @@ async def list_repairs(
 ) -> Response:
     tenancy.check_read(request.scope, instance_key)
     before = None if cursor is None else cursors.repairs_position(cursor)
-    page = await read_pool(request).run(
-        lambda conn: data.list_repairs(conn, instance_key, before=before, limit=limit)
+    page = await read_instance(
+        request,
+        instance_key,
+        lambda conn: data.list_repairs(conn, instance_key, before=before, limit=limit),
     )
     # A page never nears MAX_PAGE_BYTES: 1000 entries of at most 900 characters each.
     next_cursor = None if page.last is None else cursors.repairs_cursor(page.last)

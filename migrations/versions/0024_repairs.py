@@ -20,7 +20,9 @@ when, and why.
 
 Downgrade: the repair log goes (with its guard's trigger), then the frozen downgrade drops
 the new functions and restores the record's guard; admin tokens are removed first, since the
-narrower CHECK would refuse them.
+narrower CHECK would refuse them. The log is the only account of who reopened what and why,
+so it refuses, unless forced, while any repair is logged, saying how many of how many
+instances (`migrations/guard.py`).
 
 Revision ID: 0024
 Revises: 0023
@@ -30,6 +32,7 @@ Create Date: 2026-12-06
 from pathlib import Path
 
 from migrations import script
+from migrations.guard import found, refuse_losing
 
 revision = "0024"
 down_revision = "0023"
@@ -85,6 +88,17 @@ def upgrade() -> None:
     script.run(UP.read_text())
 
 
+# On Citus one statement over every shard.
+LOST = """
+SELECT n || ' repairs of ' || instances || ' instances (workflow_step_repair: who reopened'
+       || ' which step, and why) would be dropped'
+FROM (SELECT count(*) AS n, count(DISTINCT instance_id) AS instances
+      FROM workflow_step_repair) r
+WHERE n > 0
+"""
+
+
 def downgrade() -> None:
+    refuse_losing("0024", found(LOST))
     script.run(DROP)
     script.run(DOWN.read_text())

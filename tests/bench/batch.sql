@@ -1,17 +1,21 @@
 -- pgbench, batches: the events of one batch.lua request (:size, half `start` of new steps,
 -- half `complete` of the steps this client started in its previous run) in one transaction
--- of two set-based statements: upsert the instances, then take the ordinals from the
--- instances' counters and upsert the records in one INSERT ... SELECT ... ON CONFLICT.
+-- of two set-based statements: upsert the instances (each id derived from its key,
+-- steprecord_instance_id, as the table's CHECK demands; ON CONFLICT with no target, since a
+-- concurrent insert of the same instance may collide on either unique index), then take the
+-- ordinals from the instances' counters and upsert the records in one INSERT ... SELECT ...
+-- ON CONFLICT.
 -- Instances are locked and inserted in key order, so concurrent batches cannot deadlock.
 -- Variables: instances, size, prev (-D), client_id (pgbench's own).
 \set r random(1, 2000000000)
 \set half :size / 2
 BEGIN;
-INSERT INTO process_instance (instance_key)
-SELECT DISTINCT 'b' || ((s.r + g * 7919) % :instances + 1)
-FROM (VALUES (:r::bigint), (:prev::bigint)) s (r), generate_series(1, :half) g
-ORDER BY 1
-ON CONFLICT (instance_key) DO NOTHING;
+INSERT INTO process_instance (id, instance_key)
+SELECT steprecord_instance_id(k), k
+FROM (SELECT DISTINCT 'b' || ((s.r + g * 7919) % :instances + 1) AS k
+      FROM (VALUES (:r::bigint), (:prev::bigint)) s (r), generate_series(1, :half) g) keys
+ORDER BY k
+ON CONFLICT DO NOTHING;
 WITH ev AS (
     SELECT 'b' || ((s.r + g * 7919) % :instances + 1) AS instance_key,
            's' || :client_id || '-' || s.r || '-' || g AS step_slug, s.status

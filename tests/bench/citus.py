@@ -62,6 +62,7 @@ from psycopg import sql  # noqa: E402
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
 from app.cli import migrate  # noqa: E402
+from app.data import judge  # noqa: E402
 from app.embedded import EmbeddedPostgres  # noqa: E402
 from tests.bench import plans, run  # noqa: E402
 from tests.bench.run import Load  # noqa: E402
@@ -81,12 +82,15 @@ CONNECTIONS = 16
 READ_INSTANCES = 40
 REPLAY_STEPS = 95
 LOADS = ("replays", "reads", "steps", "calls", "single", "batch")
-CALL = (
-    "SELECT * FROM steprecord_apply_event(steprecord_instance_id(('r' || :k)::text), 0::int,"
-    " ('r' || :k)::text, ('step-' || :s)::text, 'start'::text, 1::bigint,"
-    " '2026-01-01T00:00:00Z'::timestamptz, NULL::timestamptz, NULL::text, NULL::text,"
-    " NULL::text, NULL::text, NULL::bigint, NULL::int);"
-)
+# The replay of a start as the service passes it to the judge (app/data/judge.py).
+REPLAY = {
+    "instance_key": "'r' || :k",
+    "step_slug": "'step-' || :s",
+    "kind": "'start'",
+    "attempt": "1",
+    "started_at": "'2026-01-01T00:00:00Z'",
+}
+CALL = run.judge_call(judge.APPLY_EVENT, "0", REPLAY, "NULL")
 PICK = f"\\set k random(1, :instances)\n\\set s random(0, {REPLAY_STEPS - 1})\n"
 
 

@@ -5,9 +5,10 @@ On a machine the loads saturate, the ratio of two throughputs is the inverse rat
 each spends per operation; this splits that CPU by process kind (the service's workers,
 PostgreSQL's backends, the load generator), so a missed ratio shows what is in the way.
 It runs `events.lua` against the service and against `floor.py` (the same work with no
-framework or features), `limit_events.sql` (pgbench passing the same events to the service's
-judge function) and `events.sql` (the least SQL); `batch.lua`, the limit of a batch
-(`run.limit_batch_script`: the same batches to the merge function) and `batch.sql`; then
+framework or features), the limit of single events (`run.limit_events_script`: pgbench
+passing the same events to the service's judge function) and `events.sql` (the least
+SQL); `batch.lua`, the limit of a batch (`run.limit_batch_script`: the same batches to the
+merge function) and `batch.sql`; then
 `reads.lua` against the service and the floor, and the page's query; at 16 connections,
 with pgbench preparing its statements as the service does (and as `run.py` does), in
 alternating rounds, and prints the CPU time per operation of each.
@@ -160,6 +161,7 @@ def single_events(
     errors: list[Load] = []
     root, floor_root = run.service_pid(base), run.service_pid(floor_base)
     same_event(base, floor_base)
+    limit_script = run.limit_events_script(bench.tmp / "limit_events.sql")
     bench.warm_up("single", "events.lua", 16)
     floor = dataclasses.replace(bench, base=floor_base)
     for _ in range(rounds):
@@ -170,7 +172,7 @@ def single_events(
             floor_root, lambda: floor.service_writes("events.lua", 16, 1, duration), per_event=True
         )
         limit = measured(
-            root, lambda: bench.pgbench_writes("limit_events.sql", 2, duration), per_event=True
+            root, lambda: bench.pgbench_writes(limit_script, 2, duration), per_event=True
         )
         least = measured(
             root, lambda: bench.pgbench_writes("events.sql", 2, duration), per_event=True

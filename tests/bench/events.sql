@@ -2,16 +2,20 @@
 -- One run of this script is two events, each its own transaction: the `start` of a new step
 -- (:r) and the `complete` of the step this client started in its previous run (:prev, set
 -- with `-D prev=0` for the first run, whose complete then creates the record). Each event
--- upserts the instance, takes the next ordinal from the instance's counter (its row lock is
--- the per-instance lock) and upserts the record; a replayed start changes nothing and a
--- complete only moves a running attempt-1 record to completed, as the transition trigger
--- demands. Variables: instances (-D), client_id (pgbench's own).
+-- upserts the instance (its id derived from its key, steprecord_instance_id, as the table's
+-- CHECK demands; ON CONFLICT with no target, since a concurrent insert of the same instance
+-- may collide on either unique index, the id's or the key's), takes the next ordinal from
+-- the instance's counter (its row lock is the per-instance lock) and upserts the record; a
+-- replayed start changes nothing and a complete only moves a running attempt-1 record to
+-- completed, as the transition trigger demands. Variables: instances (-D), client_id
+-- (pgbench's own).
 \set r random(1, 2000000000)
 \set k :r % :instances + 1
 \set pk :prev % :instances + 1
 BEGIN;
-INSERT INTO process_instance (instance_key) VALUES ('e' || :k)
-ON CONFLICT (instance_key) DO NOTHING;
+INSERT INTO process_instance (id, instance_key)
+VALUES (steprecord_instance_id('e' || :k), 'e' || :k)
+ON CONFLICT DO NOTHING;
 WITH p AS (
     UPDATE process_instance SET next_ordinal = next_ordinal + 1
     WHERE instance_key = 'e' || :k
@@ -23,8 +27,9 @@ SELECT p.id, 's' || :client_id || '-' || :r, p.ordinal, 'running', 1, now() FROM
 ON CONFLICT (instance_id, step_slug) DO NOTHING;
 COMMIT;
 BEGIN;
-INSERT INTO process_instance (instance_key) VALUES ('e' || :pk)
-ON CONFLICT (instance_key) DO NOTHING;
+INSERT INTO process_instance (id, instance_key)
+VALUES (steprecord_instance_id('e' || :pk), 'e' || :pk)
+ON CONFLICT DO NOTHING;
 WITH p AS (
     UPDATE process_instance SET next_ordinal = next_ordinal + 1
     WHERE instance_key = 'e' || :pk

@@ -34,7 +34,7 @@ from pathlib import Path
 import psycopg
 
 from app.sql import frozen_as_of, source
-from tests.bench import run
+from tests.bench import run, writers
 
 HISTORY = "attempt_history.sql"
 JUDGE = ("judge_rules.sql", "apply_events.sql", "apply_event.sql", "heartbeat.sql", HISTORY)
@@ -90,7 +90,7 @@ def main() -> int:
     ):
         scripts = {
             "single": (Path(tmp) / "single.sql", 2),
-            "batch": (run.limit_batch_script(Path(tmp) / "batch.sql"), run.BATCH_SIZE),
+            "batch": (writers.batch_script(Path(tmp) / "batch.sql", None), run.BATCH_SIZE),
         }
         scripts["single"][0].write_text(SINGLE)
         loads: dict[tuple[str, str], list[run.Load]] = {}

@@ -41,8 +41,10 @@ if str(ROOT) not in sys.path:  # also runnable as `python tests/bench/run.py`
 import psycopg  # noqa: E402
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
-from app.access import new_token  # noqa: E402
+from app.access import ANONYMOUS, new_token  # noqa: E402
 from app.cli import migrate  # noqa: E402
+from app.data import judge  # noqa: E402
+from app.data.reads import LIST_PAGE, PAGE_READ_BYTES  # noqa: E402
 from app.embedded import EmbeddedPostgres  # noqa: E402
 from tests.bench import queries  # noqa: E402
 
@@ -53,8 +55,10 @@ BATCH_SIZE = 100
 STEPS_PER_INSTANCE = 500  # on average, in the read tables (load_reads.sql)
 READ_LIMIT = 100
 SMALL_TABLE = 10**4
+SMOKE_LARGE = 12_000  # the large read table of `--smoke`: the least that is larger
 CPUS = len(os.sched_getaffinity(0))
 INSTALL = "apt-get update && apt-get install -y wrk postgresql-client  # pgbench"
+TOKEN_NAME = "bench"  # the write token of `--token`: the writer of every request
 # The goals, at `--connections` (16) on this machine kind. The throughput goals are the
 # service's share of its limit: pgbench calling the same database functions with the same
 # arguments (the judge for single events and batches, the page function for reads), which is
@@ -76,6 +80,7 @@ SIDES = ("service", "limit", "least SQL")
 CONTENDED_INSTANCES = 20
 CONTENDED_STEPS = 20
 COPIES = 3
+SMOKE_CONTENDED = 5  # `--smoke`: 5 instances x 5 steps
 # What a reordered event may answer: applied, created, a replay, or a stale attempt (an
 # attempt-1 event arriving after attempt 2 began). Anything else is an error.
 CONTENTION_ANSWERS = {200, 201, 409}
@@ -135,14 +140,16 @@ def postgres_server(tmp: Path) -> Iterator[str]:
 
 
 @contextmanager
-def fresh_database(server: str, name: str) -> Iterator[str]:
-    """A new, migrated database on the server, dropped at the end."""
+def fresh_database(server: str, name: str, like: str | None = None) -> Iterator[str]:
+    """A new, migrated database on the server, dropped at the end; with `like`, a copy of that
+    freshly migrated database (no session may be connected to it), which is quicker."""
     with psycopg.connect(server, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {name}")
+        conn.execute(f"CREATE DATABASE {name}" + (f" TEMPLATE {like}" if like else ""))
     try:
         dsn = make_conninfo(server, dbname=name)
-        migrate(dsn)
+        if like is None:
+            migrate(dsn)
         yield dsn
     finally:
         try:
@@ -267,8 +274,8 @@ def with_token(enabled: bool, *dsns: str) -> Iterator[None]:
     for dsn in dsns:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(
-                "INSERT INTO api_token (name, scope, token_sha256) VALUES ('bench', 'write', %s)",
-                (digest,),
+                "INSERT INTO api_token (name, scope, token_sha256) VALUES (%s, 'write', %s)",
+                (TOKEN_NAME, digest),
             )
     os.environ["STEPRECORD_BENCH_TOKEN"] = token
     try:
@@ -341,24 +348,83 @@ def read_script(order: str, path: Path) -> Path:
     return path
 
 
-def limit_read_script(order: str, path: Path) -> Path:
-    """The limit of a page read as a pgbench script: the page function called with the
-    arguments the service passes for the first page (app/data/reads.py, `list_steps`)."""
-    call = (
-        f"SELECT * FROM steprecord_list_page(('r' || :k)::text, '{order}'::text, -1::integer,"
-        f" '-infinity'::timestamptz, 0::bigint, NULL::text[], {READ_LIMIT + 1}::integer)"
+def pgbench_statement(statement: str, arguments: Sequence[str]) -> str:
+    """One of the service's statements (app/data/) as a pgbench command: its text as the
+    service sends it, each parameter `$n` replaced by the nth pgbench expression (its cast, the
+    service's, kept; an expression with a space in parentheses, so that the cast takes it all)."""
+    numbers = {int(n) for n in re.findall(r"\$(\d+)", statement)}
+    if numbers != set(range(1, len(arguments) + 1)):
+        raise ValueError(f"{len(arguments)} arguments for a statement of {len(numbers)}")
+    terms = [f"({a})" if " " in a else a for a in arguments]
+    return re.sub(r"\$(\d+)", lambda n: terms[int(n[1]) - 1], statement) + ";"
+
+
+def writer() -> str:
+    """The writer the service names for this run's requests: the token's, or anonymous."""
+    return TOKEN_NAME if os.environ.get("STEPRECORD_BENCH_TOKEN") else ANONYMOUS
+
+
+def judge_call(
+    statement: str, index: str, fields: dict[str, str], missing: str, writer: str = ANONYMOUS
+) -> str:
+    """A judge's statement of app/data/judge.py (APPLY_EVENT, APPLY_EVENTS) as a pgbench
+    command, with the arguments the service passes: the index (or indexes), then each field of
+    `judge.PARAMS` (its expression in `fields`, `missing` for the others), then the request's
+    trace id (none: no `traceparent`) and its writer."""
+    unknown = set(fields) - set(judge.PARAMS)
+    if unknown:
+        raise ValueError(f"not fields of an event: {sorted(unknown)}")
+    values = [fields.get(name, missing) for name in judge.PARAMS]
+    return pgbench_statement(statement, [index, *values, "NULL", f"'{writer}'"])
+
+
+def limit_events_script(path: Path, writer: str = ANONYMOUS) -> Path:
+    """The limit of single events as a pgbench script: the two events of events.sql (the
+    `start` of a new step, :r, and the `complete` of the step this client started in its
+    previous run, :prev) passed to the service's one-event judge, `judge.APPLY_EVENT`, with the
+    arguments the service passes for the same requests of events.lua. Each call is its own
+    transaction, as each request is."""
+    output = """'{"a":1,"b":"x","n":123}'"""
+
+    def event(key: str, run: str, kind: str, completed: dict[str, str]) -> str:
+        fields = {
+            "instance_key": f"'e' || {key}",
+            "step_slug": f"'s' || :client_id || '-' || {run}",
+            "kind": f"'{kind}'",
+            "attempt": "1",
+            "started_at": "now()",
+            **completed,
+        }
+        return judge_call(judge.APPLY_EVENT, "0", fields, "NULL", writer)
+
+    start = event(":k", ":r", "start", {})
+    complete = event(":pk", ":prev", "complete", {"completed_at": "now()", "output": output})
+    path.write_text(
+        "-- Written by tests/bench/run.py (limit_events_script): the events of events.sql as\n"
+        "-- the service passes them to its judge.\n"
+        "\\set r random(1, 2000000000)\n\\set k :r % :instances + 1\n"
+        f"\\set pk :prev % :instances + 1\n{start}\n{complete}\n\\set prev :r\n"
     )
-    path.write_text(f"\\set k random(1, :instances)\n{call};\n")
     return path
 
 
-def limit_batch_script(path: Path, size: int = BATCH_SIZE) -> Path:
+def limit_read_script(order: str, path: Path) -> Path:
+    """The limit of a page read as a pgbench script: the page function's statement called with
+    the arguments the service passes for the first page (app/data/reads.py, `list_steps`)."""
+    arguments = ["'r' || :k", f"'{order}'", "-1", "'-infinity'", "0", "NULL", str(READ_LIMIT + 1)]
+    arguments.append(str(PAGE_READ_BYTES))
+    call = pgbench_statement(LIST_PAGE, arguments)
+    path.write_text(f"\\set k random(1, :instances)\n{call}\n")
+    return path
+
+
+def limit_batch_script(path: Path, size: int = BATCH_SIZE, writer: str = ANONYMOUS) -> Path:
     """The limit of a batch as a pgbench script: the events of one batch.lua request (the
     `start` of `size / 2` new steps, the `complete` of the steps this client started in its
-    previous run) passed to `steprecord_apply_events` as the service passes them
-    (app/data/judge.py: the indexes, then one array per field of PARAMS, each element the
-    event's value; the trailing trace id keeps its default, NULL). Instances and slugs are
-    those of batch.sql, so the limit and the least SQL write the same rows."""
+    previous run) passed to the service's batch judge, `judge.APPLY_EVENTS`, as the service
+    passes them (the indexes, then one array per field of `judge.PARAMS`, each element the
+    event's value, then the trace id and the writer). Instances and slugs are those of
+    batch.sql, so the limit and the least SQL write the same rows."""
     half = size // 2
     # Event n (1-based): a start of this run's step g = n (n <= half), or a complete of the
     # previous run's step g = n - half. Built from a series, so that the statement has a few
@@ -369,32 +435,23 @@ def limit_batch_script(path: Path, size: int = BATCH_SIZE) -> Path:
     def series(element: str) -> str:
         return f"ARRAY(SELECT {element} FROM generate_series(1, {size}) n ORDER BY n)"
 
-    keys = series(f"'b' || (({run} + {step} * 7919) % :instances::bigint + 1)")
-    slugs = series(f"'s' || :client_id::int || '-' || {run} || '-' || {step}")
-
-    def array(items: Sequence[str], cast: str) -> str:
-        return f"ARRAY[{', '.join(items)}]::{cast}[]"
-
-    def nulls(cast: str) -> str:
-        return f"array_fill(NULL::{cast}, ARRAY[{size}])"
+    def array(*items: str) -> str:
+        return f"ARRAY[{', '.join(items)}]"
 
     output = """'{"a":1,"b":"x","n":123}'"""
-    arguments = [
-        array([str(i) for i in range(size)], "int"),
-        keys,
-        slugs,
-        array(["'start'"] * half + ["'complete'"] * half, "text"),
-        array(["1"] * size, "bigint"),
-        array(["now()"] * size, "timestamptz"),  # started_at
-        array(["NULL"] * half + ["now()"] * half, "timestamptz"),  # completed_at
-        array(["NULL"] * half + [output] * half, "text"),
-        nulls("text"),  # external_output_url
-        nulls("text"),  # error_code
-        nulls("text"),  # error_message
-        nulls("bigint"),  # ordinal
-        nulls("int"),  # lease_seconds
-    ]
-    call = "SELECT * FROM steprecord_apply_events(\n  " + ",\n  ".join(arguments) + ");"
+    fields = {
+        "instance_key": series(f"'b' || (({run} + {step} * 7919) % :instances::bigint + 1)"),
+        "step_slug": series(f"'s' || :client_id::int || '-' || {run} || '-' || {step}"),
+        "kind": array(*["'start'"] * half, *["'complete'"] * half),
+        "attempt": array(*["1"] * size),
+        "started_at": array(*["now()"] * size),
+        "completed_at": array(*["NULL"] * half, *["now()"] * half),
+        "output": array(*["NULL"] * half, *[output] * half),
+    }
+    # The service's statement casts each array to its field's type.
+    nulls = f"array_fill(NULL::text, ARRAY[{size}])"
+    indexes = array(*map(str, range(size)))
+    call = judge_call(judge.APPLY_EVENTS, indexes, fields, nulls, writer)
     path.write_text(
         "-- Written by tests/bench/run.py (limit_batch_script): one batch.lua request as the\n"
         "-- service passes it to its judge.\n"
@@ -467,7 +524,8 @@ def pgbench(
     done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 60)
     tps = re.search(r"^tps = ([\d.]+) \(without initial connection time\)", done.stdout, re.M)
     failed = re.search(r"^number of failed transactions: (\d+)", done.stdout, re.M)
-    if done.returncode != 0 or tps is None:
+    processed = re.search(r"^number of transactions actually processed: (\d+)", done.stdout, re.M)
+    if done.returncode != 0 or tps is None or processed is None or processed[1] == "0":
         return Load(0.0, events, math.nan, math.nan, 1, (done.stderr or done.stdout)[-2000:])
     latencies: list[float] = []
     if log_dir is not None:
@@ -488,11 +546,13 @@ def pgbench(
 # --- the contention load ---------------------------------------------------------------------
 
 
-def contended_events(seed: int = 7) -> list[tuple[str, bytes]]:
+def contended_events(
+    instances: int = CONTENDED_INSTANCES, steps: int = CONTENDED_STEPS, seed: int = 7
+) -> list[tuple[str, bytes]]:
     """(path, body) of every event of the contention load, duplicated and shuffled."""
     events: list[tuple[str, bytes]] = []
-    for n in range(1, CONTENDED_INSTANCES + 1):
-        for m in range(1, CONTENDED_STEPS + 1):
+    for n in range(1, instances + 1):
+        for m in range(1, steps + 1):
             path = f"/v1/instances/c{n}/steps/s{m}"
             bodies = [
                 ("start", {"attempt": 1, "started_at": "2026-12-03T10:00:01Z"}),
@@ -579,9 +639,11 @@ FROM workflow_step_record r JOIN process_instance p ON p.id = r.instance_id
 """
 
 
-def contention_wrong(dsn: str) -> list[str]:
+def contention_wrong(
+    dsn: str, instances: int = CONTENDED_INSTANCES, steps: int = CONTENDED_STEPS
+) -> list[str]:
     """What is not exactly right after the contention load (nothing, when all is)."""
-    steps_total = CONTENDED_INSTANCES * CONTENDED_STEPS
+    steps_total = instances * steps
     with psycopg.connect(dsn) as conn:
         row = conn.execute(CONTENTION_STATE).fetchone()
     assert row is not None
@@ -589,8 +651,8 @@ def contention_wrong(dsn: str) -> list[str]:
     wrong = []
     if records != steps_total or right != steps_total:
         wrong.append(f"{right} of {records} records as expected (want {steps_total})")
-    if gapless != CONTENDED_INSTANCES:
-        wrong.append(f"{gapless} of {CONTENDED_INSTANCES} instances have ordinals 0..n-1")
+    if gapless != instances:
+        wrong.append(f"{gapless} of {instances} instances have ordinals 0..n-1")
     if attempts_2 != steps_total or attempts_1_wrong:
         wrong.append(f"history: {attempts_2} completed attempts 2, {attempts_1_wrong} bad 1s")
     return wrong
@@ -614,6 +676,7 @@ class Bench:
     tail_connections: int
     read_connections: int
     protocol: str
+    smoke: bool = False  # one round of each load, no warm-up: that each runs, not how fast
 
     def __post_init__(self) -> None:
         self.errors: list[str] = []
@@ -622,7 +685,7 @@ class Bench:
 
     @property
     def rounds(self) -> int:
-        return max(2, min(5, round(self.seconds / 2)))
+        return 1 if self.smoke else max(2, min(5, round(self.seconds / 2)))
 
     def check(self, name: str, load: Load) -> Load:
         if load.errors:
@@ -674,15 +737,16 @@ class Bench:
             self.check(f"{name} (warm-up)", self.service_writes(script, conns, events, self.warmup))
 
     def single(self) -> tuple[Sides, Load]:
-        """Single events: the service, its limit (limit_events.sql) and the least SQL
+        """Single events: the service, its limit (`limit_events_script`) and the least SQL
         (events.sql); and the load whose p99 / p50 is the tail, at `tail_connections`."""
         conns = self.connections
+        limit = limit_events_script(self.tmp / "limit_events.sql", writer())
         self.warm_up("single, service", "events.lua", conns)
         sides = self.alternate(
             "single",
             {
                 "service": lambda seconds: self.service_writes("events.lua", conns, 1, seconds),
-                "limit": lambda seconds: self.pgbench_writes("limit_events.sql", 2, seconds),
+                "limit": lambda seconds: self.pgbench_writes(limit, 2, seconds),
                 "least SQL": lambda seconds: self.pgbench_writes("events.sql", 2, seconds),
             },
         )
@@ -707,7 +771,7 @@ class Bench:
             print(f"  batch: skipped, POST /v1/events answered {status}", file=sys.stderr)
             return None
         conns, size = self.connections, BATCH_SIZE
-        limit = limit_batch_script(self.tmp / "limit_batch.sql", size)
+        limit = limit_batch_script(self.tmp / "limit_batch.sql", size, writer())
         self.warm_up("batch, service", "batch.lua", conns, size)
         return self.alternate(
             "batch",
@@ -723,13 +787,15 @@ class Bench:
     def contention(self) -> Load:
         """The contention load, sent once (events/s = all events / the time until the last
         answer), then checked exactly right."""
-        events = contended_events()
+        size = SMOKE_CONTENDED if self.smoke else None
+        instances, steps = size or CONTENDED_INSTANCES, size or CONTENDED_STEPS
+        events = contended_events(instances, steps)
         reset(self.dsn)
         started = time.monotonic()
         statuses = asyncio.run(_send_all(self.base, events, self.connections))
         elapsed = time.monotonic() - started
         bad = [status for status in statuses if status not in CONTENTION_ANSWERS]
-        wrong = contention_wrong(self.dsn)
+        wrong = contention_wrong(self.dsn, instances, steps)
         detail = "; ".join(wrong + ([f"statuses {sorted(set(bad))}"] if bad else []))
         load = Load(len(events) / elapsed, 1, math.nan, math.nan, len(bad) + len(wrong), detail)
         return self.check("contention, service", load)
@@ -979,6 +1045,8 @@ def report(
         f" service, limit and least SQL; writes over {INSTANCES} instances; reads limit="
         f"{READ_LIMIT} at {bench.read_connections} connection(s); pgbench -M {bench.protocol}"
     )
+    if bench.smoke:
+        lines.append("--smoke: one 1 s round of each side, no warm-up; its figures measure nothing")
     lines += ["", *memory_table(bench.memory)]
     lines += [f"ERROR {error}" for error in bench.errors] or ["errors: none"]
     return "\n".join(lines)
@@ -1019,7 +1087,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=10, help="seconds per load (10)")
     parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 3 s loads, 10^5 rows as the large table"
+        "--quick", action="store_true", help="a short run: 3 s loads, 10^5 rows as the large table"
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"that every load runs without an error (CI): one 1 s round of each side, no"
+        f" warm-up, {SMOKE_LARGE:,} rows as the large table; its figures measure nothing",
     )
     parser.add_argument("--large", type=int, help="rows of the large read table (10^6)")
     parser.add_argument("--connections", type=int, default=16)
@@ -1045,8 +1119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--token", action="store_true", help="create a write token; every request carries it"
     )
     args = parser.parse_args(argv)
-    seconds = 3.0 if args.quick and args.duration == 10 else args.duration
-    large = args.large or (10**5 if args.quick else 10**6)
+    seconds = 1.0 if args.smoke else 3.0 if args.quick and args.duration == 10 else args.duration
+    large = args.large or (SMOKE_LARGE if args.smoke else 10**5 if args.quick else 10**6)
     if large % (4 * STEPS_PER_INSTANCE) or large <= SMALL_TABLE:
         parser.error(f"--large must be a multiple of {4 * STEPS_PER_INSTANCE} above {SMALL_TABLE}")
     missing = [tool for tool in ("wrk", "pgbench") if shutil.which(tool) is None]
@@ -1062,7 +1136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tempfile.TemporaryDirectory(prefix="steprecord-bench-") as tmp_name,
         postgres_server(Path(tmp_name)) as server,
         fresh_database(server, DB_NAME) as dsn,
-        fresh_database(server, f"{DB_NAME}_large") as large_dsn,
+        fresh_database(server, f"{DB_NAME}_large", like=DB_NAME) as large_dsn,
         with_token(args.token, dsn, large_dsn),
         service(dsn, Path(tmp_name) / "service.log") as base,
         service(large_dsn, Path(tmp_name) / "service-large.log") as large_base,
@@ -1076,11 +1150,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             large_base=large_base,
             tmp=Path(tmp_name),
             seconds=seconds,
-            warmup=min(2.0, seconds / 3),
+            warmup=0 if args.smoke else min(2.0, seconds / 3),
             connections=args.connections,
             tail_connections=args.tail_connections,
             read_connections=args.read_connections,
             protocol=args.pgbench_protocol,
+            smoke=args.smoke,
         )
         bench.note_memory("idle")
         single = bench.single()

@@ -12,7 +12,8 @@ Then open http://127.0.0.1:8000/ui: the instance is the chain's first task id, w
 step per task — `charge` shows two failed attempts (`GatewayTimeout`) and a completed third.
 
 Settings (environment): `SHOP_BROKER` (default `amqp://guest:guest@127.0.0.1:5672//`),
-`SHOP_BACKEND` (default `redis://127.0.0.1:6379/0`), `STEPRECORD_URL` (default
+`SHOP_BACKEND` (default `redis://127.0.0.1:6379/0`), `SHOP_QUEUE` (default `shop`: the
+queue the orders go to and the worker consumes), `STEPRECORD_URL` (default
 `http://127.0.0.1:8000`) and `STEPRECORD_TOKEN` (a write token, when the service has tokens).
 """
 
@@ -34,6 +35,7 @@ app.conf.update(
     task_acks_late=True,  # keep the message until the task has finished ...
     task_reject_on_worker_lost=True,  # ... and give it back when the worker dies
     worker_prefetch_multiplier=1,
+    task_default_queue=os.environ.get("SHOP_QUEUE", "shop"),
 )
 record_celery(
     app,
@@ -47,12 +49,16 @@ class GatewayTimeout(Exception):
     """The payment gateway did not answer in time."""
 
 
-@app.task
+# Each task is named explicitly: the worker imports this file as the module `celery_shop`,
+# while `python celery_shop.py` runs it as `__main__`, and Celery would name the tasks after
+# each (`celery_shop.reserve` in the worker, `shop.reserve` in the sender), so the worker
+# would refuse the sender's messages as unregistered.
+@app.task(name="shop.reserve")
 def reserve(order_id: str, items: list[str]) -> dict[str, Any]:
     return {"order_id": order_id, "items": items, "reservation": f"res-{order_id}"}
 
 
-@app.task(bind=True, max_retries=3)
+@app.task(name="shop.charge", bind=True, max_retries=3)
 def charge(self: Task[Any, Any], order: dict[str, Any]) -> dict[str, Any]:
     if self.request.retries < 2:  # the gateway times out twice, then answers
         exc = GatewayTimeout(f"gateway timed out (try {self.request.retries + 1})")
@@ -60,7 +66,7 @@ def charge(self: Task[Any, Any], order: dict[str, Any]) -> dict[str, Any]:
     return {**order, "charge_id": f"ch-{order['order_id']}"}
 
 
-@app.task
+@app.task(name="shop.ship")
 def ship(order: dict[str, Any]) -> str:
     return f"parcel for {order['order_id']} ({order['charge_id']})"
 

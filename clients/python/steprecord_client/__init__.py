@@ -27,6 +27,7 @@ from ._core import (
     StepRecordError,
     __version__,
     current_instance,
+    fit_message,
 )
 from ._sync import Recorder
 
@@ -40,4 +41,5 @@ __all__ = [
     "StepRecordError",
     "__version__",
     "current_instance",
+    "fit_message",
 ]

@@ -53,6 +53,7 @@ __all__ = [
     "StaleAttempt",
     "StepRecordError",
     "current_instance",
+    "fit_message",
 ]
 
 Record = dict[str, Any]
@@ -209,16 +210,40 @@ def error_code_for(exc: BaseException) -> str:
 def error_message_for(exc: BaseException) -> str | None:
     """The ``error_message`` for an exception: ``str(exc)`` made acceptable to the service.
 
-    NUL characters become U+FFFD, lone surrogates become ``?``, and the text is trimmed on a
-    character boundary so its UTF-8 encoding is at most 65536 bytes. Empty gives ``None``.
+    NUL characters become U+FFFD, lone surrogates become ``?``, and a text over 65536 bytes
+    of UTF-8 is fitted by :func:`fit_message` (its head and its tail kept). Empty gives
+    ``None``.
     """
     try:
         text = str(exc)
     except Exception:  # a broken __str__ must not hide the failure itself
         text = f"<unprintable {type(exc).__name__}>"
-    data = text.replace("\x00", "\ufffd").encode("utf-8", "replace")
-    text = data[:MESSAGE_CAP].decode("utf-8", "ignore")
-    return text or None
+    text = text.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+    return fit_message(text) or None
+
+
+def fit_message(text: str) -> str:
+    """``text`` within the service's 65536 bytes of UTF-8: as it is when it fits, else its
+    head and its tail with a line in between saying how many bytes were cut.
+
+    A traceback starts with where it began and ends with the exception itself, its most
+    useful line, so both ends are kept: the first third of the room for the head, the rest
+    for the tail. Cuts fall on character boundaries, so the result is valid UTF-8.
+    """
+    data = text.encode("utf-8")
+    if len(data) <= MESSAGE_CAP:
+        return text
+    # The marker's length depends on the count it names, which depends on the marker's
+    # length: a count of as many digits as the text's size is never shorter.
+    room = MESSAGE_CAP - len(_cut_marker(len(data)).encode("utf-8"))
+    head = data[: room // 3].decode("utf-8", "ignore").encode("utf-8")
+    tail = data[len(data) - (room - len(head)) :].decode("utf-8", "ignore").encode("utf-8")
+    marker = _cut_marker(len(data) - len(head) - len(tail))
+    return head.decode("utf-8") + marker + tail.decode("utf-8")
+
+
+def _cut_marker(cut: int) -> str:
+    return f"\n[... {cut} bytes cut by steprecord_client to fit the 65536-byte limit ...]\n"
 
 
 def next_attempt(record: Record | None) -> int:
