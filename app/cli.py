@@ -165,6 +165,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                 access_log=False,
                 timeout_graceful_shutdown=30,
                 header_timeout=settings.header_timeout_seconds,
+                body_timeout=settings.body_timeout_seconds,
+                send_timeout=settings.send_timeout_seconds,
                 limit_concurrency=settings.max_connections,
                 forwarded_allow_ips=settings.trusted_proxies,
                 # A worker answers the supervisor's health check only once it has imported the

@@ -81,6 +81,14 @@ class Settings(BaseSettings):
     # Seconds a client has to send a request's headers (slow clients: see app/server.py);
     # then 408 and the connection is closed.
     header_timeout_seconds: float = Field(default=10.0, gt=0, le=600)
+    # Seconds a client has, once its headers are in, to send the request's body; then 408
+    # and the connection is closed. (An answer sent before the body was read, a 401 or a 413,
+    # always closes the connection.)
+    body_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    # Seconds an answer waits for a client that stopped reading it (its connection's send
+    # buffer full, nothing taken meanwhile); then the connection is closed: a stream whose
+    # client stopped reading ends.
+    send_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
     # Connections one worker serves at once; beyond, a request is answered 503 at once.
     max_connections: int = Field(default=1000, ge=1, le=1000000)
 

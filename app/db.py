@@ -86,10 +86,13 @@ def remote_node_failed(exc: psycopg.Error) -> bool:
     return (exc.sqlstate or "").startswith("08") and message.startswith(REMOTE_NODE_FAILED)
 
 
+NODE_UNREACHABLE = "a database node holding this data (a Citus worker) cannot be reached"
+
+
 def public_reason(exc: psycopg.Error) -> str:
     """Why a statement failed as an outage, in words fit for a client (see `PUBLIC_BY_SQLSTATE`)."""
     if remote_node_failed(exc):
-        return "a database node holding this data (a Citus worker) cannot be reached"
+        return NODE_UNREACHABLE
     sqlstate = exc.sqlstate or ""
     reason = PUBLIC_BY_SQLSTATE.get(sqlstate) or PUBLIC_BY_SQLSTATE.get(sqlstate[:2])
     if reason is None and isinstance(exc, psycopg.OperationalError) and not sqlstate:
@@ -124,6 +127,9 @@ class Pool:
         # Each principal's share of the connections (app/shares.py); None: no shares.
         self._shares = None if share is None else shares.Shares(min(share, size))
         self._idle: list[AsyncConn] = []
+        # What a client is told when this pool's server cannot be reached or went away (None:
+        # the words for the database itself); a Citus node's pool names it as such.
+        self.unreachable: str | None = None
         self.size = size
         self.in_use = 0
         self.waiting = 0
@@ -235,7 +241,8 @@ class Pool:
                     conn = await asyncio.wait_for(self._connect(), deadline - loop.time())
                 except (psycopg.OperationalError, OSError, TimeoutError) as exc:
                     logged = str(exc) or "connecting timed out"
-                    raise DatabaseUnavailable(logged, "the database cannot be reached") from exc
+                    public = self.unreachable or "the database cannot be reached"
+                    raise DatabaseUnavailable(logged, public) from exc
             self._changed(in_use=1)
             if share is not None:
                 share.connected += 1
@@ -248,6 +255,8 @@ class Pool:
             except psycopg.OperationalError as exc:
                 if lost(conn, exc):
                     self._discard_idle()
+                    if self.unreachable is not None:
+                        raise DatabaseUnavailable(str(exc), self.unreachable) from exc
                 raise DatabaseUnavailable(str(exc), public_reason(exc)) from exc
             except psycopg.errors.ReadOnlySqlTransaction as exc:  # a standby, until promoted
                 raise DatabaseUnavailable(str(exc), public_reason(exc)) from exc

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.routing import Route, compile_path
 
@@ -46,6 +47,7 @@ TITLES = {
     "output_conflict": "Both inline and external output",
     "output_too_large": "Output too large",
     "payload_too_large": "Request body too large",
+    "request_timeout": "Request body too slow",
     "not_found": "No such route",
     "method_not_allowed": "Method not allowed on this route",
     "trailing_slash": "Path ends with a slash",
@@ -303,8 +305,17 @@ KNOWN = (
 )
 
 
+async def _handle_disconnect(request: Request, exc: Exception) -> Response:
+    """The connection ended before the request's body arrived whole: its body deadline passed
+    (app/server.py, which answered 408 itself) or the client went away. Nobody reads this
+    answer; the request's log line says 408."""
+    detail = "the connection ended before the request's body arrived whole"
+    return Problem(408, "request_timeout", detail).response()
+
+
 def install(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _handle_http)
+    app.add_exception_handler(ClientDisconnect, _handle_disconnect)
     app.add_exception_handler(RequestValidationError, _handle_validation)
     for cls in (*KNOWN, Exception):
         app.add_exception_handler(cls, _handle_known)

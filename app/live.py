@@ -8,6 +8,13 @@ with one short query through the read pool. A flag, not a queue: any number of n
 before a stream reads costs one read, so a slow client holds no more than its position and
 the flag.
 
+A read stops at `STREAM_PAGE` records or once they hold `STREAM_READ_BYTES` of long values,
+counted in the database (app/data/stream.py), and reads on at once; the stream writes one
+event at a time, and the server takes the next only once the client has read enough of the
+last. So a stream holds about one read's records, however large the instance, and one whose
+client stops reading waits with them until the server's send deadline ends its connection
+(`STEPRECORD_SEND_TIMEOUT_SECONDS`, app/server.py).
+
 Streams of one instance share their reads. A stream that wants to read joins the read of its
 instance that is about to run (waiting for a connection, its statement not sent yet) or
 starts one; the read runs once, from the lowest position among the streams it serves, and
@@ -47,6 +54,7 @@ served by the primary has every commit, so it meets the targets set before it.
 import asyncio
 import bisect
 import contextlib
+import dataclasses
 import logging
 import re
 import signal
@@ -316,7 +324,7 @@ class Update:
     """What one read gives one stream: its new events, rendered, and where it reads next."""
 
     instance_id: int
-    frames: bytes  # the events to send, ready for the wire (empty: nothing new)
+    frames: list[bytes]  # the events to send, each ready for the wire (empty: nothing new)
     position: stream.Position  # where the stream's next read starts
     more: bool  # a full page: read on at once
     behind: bool  # a change waits (for an older transaction, or for replay): read again soon
@@ -326,7 +334,7 @@ class Update:
 class SharedRead:
     """One read of an instance's changes, for every stream that joined it before it ran."""
 
-    __slots__ = ("_joined", "afters", "changes", "frames", "low", "positions", "task")
+    __slots__ = ("afters", "changes", "frames", "low", "positions", "task")
 
     def __init__(self) -> None:
         self.afters: list[stream.Position] = []  # the positions of the streams it serves
@@ -335,12 +343,11 @@ class SharedRead:
         self.changes: stream.Changes | None = None
         self.positions: list[stream.Position] = []  # each record's, in the read's order
         self.frames: list[bytes] = []  # each record's event, rendered once for all
-        self._joined: dict[int, bytes] = {}  # the frames from the n-th record on, joined
 
     def done(self, changes: stream.Changes) -> Self:
-        self.changes = changes
         self.positions = [(r["changed_xid"], r["id"]) for r in changes.records]
         self.frames = [_frame(record) for record in changes.records]
+        self.changes = dataclasses.replace(changes, records=[])  # the frames are what is sent
         return self
 
     def update(self, after: stream.Position) -> Update:
@@ -356,9 +363,7 @@ class SharedRead:
         # server (the instance's shard moved): every stream takes the whole instance again.
         reset = changes.since < self.low
         start = 0 if reset or after <= self.low else bisect.bisect_right(self.positions, after)
-        frames = self._joined.get(start)
-        if frames is None:
-            frames = self._joined[start] = b"".join(self.frames[start:])
+        frames = self.frames[start:]
         position = changes.position if reset else max(after, changes.position)
         return Update(
             changes.instance_id, frames, position, changes.more, changes.behind, changes.caught_up
@@ -467,8 +472,12 @@ async def sse_body(
         read_at: float | None = None  # when to read again without a notification
         while not hub.closing:
             if changes is not None:
-                if changes.frames:  # every event of the read in one write
-                    yield changes.frames
+                # One event per write: the server waits for a client that reads slowly
+                # before it takes the next, so the stream holds at most one event in its
+                # connection's buffer (and ends when its client stops reading: app/server.py).
+                for frame in changes.frames:
+                    yield frame
+                if changes.frames:
                     last_sent = loop.time()
                 position = changes.position
                 if changes.more:

@@ -25,6 +25,7 @@ from app import (
     replica,
     routes,
     schemas,
+    server,
     shares,
     sweeper,
     tracing,
@@ -201,7 +202,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(AccessControl)
     app.add_middleware(ui.DashboardHeaders)  # outside the access check: its 401 page too
     app.add_middleware(Observe)
-    app.add_middleware(live.Openings)  # streams opening at once wait their turn, outside all
+    app.add_middleware(live.Openings)  # streams opening at once wait their turn
+    # An answer before the body was read ends its connection (app/server.py), whoever answers.
+    app.add_middleware(server.CloseAfterEarlyAnswer)
     # Server spans, outside every other middleware, only when tracing is on.
     app.state.tracing = provider = tracing.instrument(app)
     observe.configure_logging()

@@ -364,6 +364,12 @@ class ApiToken(SQLModel, table=True):
         CheckConstraint("octet_length(token_sha256) = 32", name="token_sha256_size"),
         CheckConstraint(f"key_prefix ~ '{PREFIX_PATTERN}'", name="key_prefix_format"),
         CheckConstraint(f"key_prefix ~ '{PREFIX_DELIMITED_PATTERN}'", name="key_prefix_separated"),
+        # The names the service writes as itself (revision 0031).
+        CheckConstraint(
+            "NOT (lower(name) IN ('anonymous', 'sweeper', 'cli')"
+            " OR starts_with(lower(name), 'cli:'))",
+            name="name_not_reserved",
+        ),
     )
 
     id: int | None = Field(

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import psycopg
 
 from app.data import placement
-from app.db import DatabaseUnavailable, Pool
+from app.db import NODE_UNREACHABLE, DatabaseUnavailable, Pool
 
 log = logging.getLogger("steprecord.nodes")
 
@@ -91,6 +91,7 @@ class Nodes:
             psycopg.conninfo.make_conninfo(self._primary.conninfo, host=host, port=port),
             f"node {host}:{port}",
         )
+        pool.unreachable = NODE_UNREACHABLE
         try:  # reachable from here at all: else the coordinator serves its instances
             async with pool.connection(name="node_check") as conn:
                 await conn.execute("SELECT 1")

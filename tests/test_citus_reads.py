@@ -67,7 +67,9 @@ def instance_id(conn: psycopg.Connection[Any], key: str) -> int:
 def one_instance_reads(conn: psycopg.Connection[Any]) -> list[tuple[str, dict[str, Any]]]:
     the_id = instance_id(conn, KEY)
     slug = {"instance_key": KEY, "step_slug": "step-3"}
-    page = "SELECT * FROM steprecord_list_page(%(key)s, %(order)s, -1, %(at)s, 0, NULL, 11)"
+    page = (
+        "SELECT * FROM steprecord_list_page(%(key)s, %(order)s, -1, %(at)s, 0, NULL, 11, 1000000)"
+    )
     return [
         (reads.GET_STEP, slug),
         (reads.GET_INSTANCE, {"instance_key": KEY}),

@@ -4,6 +4,7 @@ reads every item exactly once, in order (see the README, Reads)."""
 from typing import Any
 
 import httpx
+import psycopg
 
 from app.limits import MAX_MESSAGE_BYTES, MAX_OUTPUT_BYTES
 from app.serialize import MAX_PAGE_BYTES, dumps_page, loads, shown
@@ -79,3 +80,34 @@ def test_an_item_larger_than_the_bound_alone_is_still_answered() -> None:
     body = dumps_page(rows, shown, rows[1], lambda row: f"after-{row['n']}", max_bytes=100)
     first = {"n": 1, "output": "a" * 300, "error_message": None, "external_output_url": None}
     assert loads(body) == {"items": [first], "next_cursor": "after-1"}
+
+
+PAGE = (
+    "SELECT step_slug, cut, ordinal FROM steprecord_list_page('order-1', 'ordinal', %s,"
+    " '-infinity', 0, NULL, 1001, %s)"
+)
+
+
+def test_a_page_stops_reading_in_the_database_once_its_rows_hold_the_byte_budget(
+    client: httpx.Client, db: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    slugs = [f"s{i:02}" for i in range(7)]
+    for slug in slugs:
+        assert post(client, "start", {"attempt": 1}, step=slug).status_code == 201
+        assert post(client, "complete", {"output": {"blob": BLOB}}, step=slug).status_code == 200
+    budget = 3 * MAX_OUTPUT_BYTES  # three outputs reach it
+    found: list[list[tuple[object, ...]]] = []
+    after = -1
+    while True:
+        rows = db.execute(PAGE, (after, budget)).fetchall()
+        found.append(rows)
+        if not rows[-1][1]:
+            break
+        after = int(str(rows[-1][2]))
+        assert len(found) < 10, "the pages never end"
+    assert [[row[1] for row in page] for page in found] == [
+        [False, False, True],
+        [False, False, True],
+        [False],
+    ]
+    assert [row[0] for page in found for row in page] == slugs

@@ -255,19 +255,20 @@ def test_a_page_from_the_page_function_renders_byte_for_byte_as_the_rows_query(
         "after_id": 0,
         "limit": 8,
     }
-    function_params = ["tricky-1", order, -1, "-infinity", 0, None, 8]
+    function_params = ["tricky-1", order, -1, "-infinity", 0, None, 8, reads.PAGE_READ_BYTES]
     rows_query = queries.LIST_BY_ORDINAL if order == "ordinal" else queries.LIST_BY_STARTED_AT
     with psycopg.RawCursor(db, row_factory=tuple_row) as cur:
         page = cur.execute(reads.LIST_PAGE, function_params, binary=True).fetchall()
         assert cur.description is not None
-        assert tuple(column.name for column in cur.description) == reads.PAGE_COLUMNS
+        assert tuple(column.name for column in cur.description) == (*reads.PAGE_COLUMNS, "cut")
     with db.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(rows_query, params).fetchall()
     assert len(page) == len(rows) == 8
     assert [item[0] for item in page] == [item["id"] for item in rows]
     for item in rows:
         item["instance_key"] = "tricky-1"
-    items = [dict(zip(reads.PAGE_COLUMNS, item, strict=True)) for item in page]
+    assert not any(item[-1] for item in page)  # well within the bytes of a page
+    items = [dict(zip(reads.PAGE_COLUMNS, item[:-1], strict=True)) for item in page]
     expected = dumps([record_json(item, summary) for item in rows])
     assert dumps(page_json(items, summary)) == expected
 

@@ -30,6 +30,11 @@ ANSWERS = {
     ),
 }
 WITH_KEY = {"steprecord_list_page"}
+# The columns after the record's: whether a read stopped at that row for its bytes.
+AFTER = {
+    "steprecord_list_page": (("cut", "boolean"),),
+    "steprecord_stream_changes": (("cut", "boolean"),),
+}
 
 RETURNS_TABLE = """
 SELECT a.name, format_type(a.type, NULL)
@@ -50,7 +55,8 @@ def test_each_function_answers_the_record_s_columns_in_its_order_and_types(
         return str(row[0])
 
     fields = [f for f in record.FIELDS if f.stored or function in WITH_KEY]
-    expected = [*ANSWERS[function], *((f.key, sql_type(f.sql)) for f in fields)]
+    record_columns = ((f.key, sql_type(f.sql)) for f in fields)
+    expected = [*ANSWERS[function], *record_columns, *AFTER.get(function, ())]
     declared = [(str(name), str(kind)) for name, kind in db.execute(RETURNS_TABLE, (function,))]
     assert declared == expected
 

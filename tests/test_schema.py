@@ -505,7 +505,7 @@ def test_the_page_function_reads_its_index_and_sorts_nothing(
     table is committed, for that worker to see)."""
     with psycopg.connect(database_url, autocommit=True) as conn:
         load_big_table(conn)
-    params = ["run-50", order, 10, after_started_at, 0, None, 51]
+    params = ["run-50", order, 10, after_started_at, 0, None, 51, reads.PAGE_READ_BYTES]
     with psycopg.connect(node_of(database_url, "run-50")) as conn:
         text = function_plans(conn, reads.LIST_PAGE, params)
     lines = text.splitlines()

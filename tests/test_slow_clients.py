@@ -1,7 +1,8 @@
 """Slow and numerous clients cannot take the HTTP server from the others (app/server.py).
 
-A real `steprecord serve`, with a header deadline of one second (the default is ten) and at
-most four connections per worker, so that both show quickly.
+A real `steprecord serve`, with a header deadline of one second (the default is ten), a body
+deadline of three (the default is thirty) and at most four connections per worker, so that
+all show quickly.
 """
 
 import select
@@ -16,9 +17,11 @@ import pytest
 from tests.helpers import eventually, logged_server
 
 HEADER_TIMEOUT = 1.0
+BODY_TIMEOUT = 3.0
 MAX_CONNECTIONS = 4
 SETTINGS = {
     "STEPRECORD_HEADER_TIMEOUT_SECONDS": str(HEADER_TIMEOUT),
+    "STEPRECORD_BODY_TIMEOUT_SECONDS": str(BODY_TIMEOUT),
     "STEPRECORD_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
 }
 
@@ -126,3 +129,75 @@ def test_the_header_deadline_does_not_bound_a_slow_body(url: str) -> None:
         answer = sock.recv(4096)
     assert answer.startswith(b"HTTP/1.1 "), answer
     assert not answer.startswith(b"HTTP/1.1 408"), answer
+
+
+def trickle_body_until_closed(sock: socket.socket, began: float, limit: float) -> bytes:
+    """Send one more byte of a body whenever the server has said nothing for a fifth of a
+    second, until it closes the connection: what it sent. Fails after `limit` seconds."""
+    received = b""
+    while time.monotonic() - began < limit:
+        readable, _, _ = select.select([sock], [], [], 0.2)
+        try:
+            if not readable:
+                sock.sendall(b"x")
+                continue
+            chunk = sock.recv(4096)
+        except (BrokenPipeError, ConnectionResetError):
+            return received
+        if not chunk:
+            return received
+        received += chunk
+    raise AssertionError(f"still open after {limit} s; the server sent {received!r}")
+
+
+def test_a_body_that_does_not_arrive_within_its_deadline_gets_408_and_the_connection_closes(
+    url: str,
+) -> None:
+    with raw_connection(url) as sock:
+        sock.sendall(
+            b"POST /v1/events HTTP/1.1\r\nHost: steprecord\r\ncontent-type: application/json\r\n"
+            b"content-length: 100000\r\n\r\n{"
+        )
+        began = time.monotonic()
+        said = trickle_body_until_closed(sock, began, 10 * BODY_TIMEOUT)
+        took = time.monotonic() - began
+    assert BODY_TIMEOUT * 0.9 <= took < BODY_TIMEOUT + 4, took
+    assert said.startswith(b"HTTP/1.1 408"), said
+    assert b"request_timeout" in said, said
+
+
+# Answered before the body is read: too large for any endpoint by its declared length, and
+# unauthenticated (through a proxy, which no token-less service lets in).
+EARLY_ANSWERS = {
+    "413": b"POST /v1/events HTTP/1.1\r\n",
+    "401": b"POST /v1/events HTTP/1.1\r\nX-Forwarded-For: 203.0.113.7\r\n",
+}
+
+
+@pytest.mark.parametrize("status", sorted(EARLY_ANSWERS))
+def test_an_answer_sent_before_the_body_was_read_closes_the_connection(
+    url: str, status: str
+) -> None:
+    with raw_connection(url) as sock:
+        sock.sendall(
+            EARLY_ANSWERS[status] + b"Host: steprecord\r\ncontent-type: application/json\r\n"
+            b"content-length: 1000000000\r\n\r\n{"
+        )
+        began = time.monotonic()
+        said = trickle_body_until_closed(sock, began, BODY_TIMEOUT / 2)
+    head = said.partition(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 " + status.encode()), said
+    assert b"\r\nconnection: close" in head, said
+
+
+def test_slow_bodies_of_unauthenticated_clients_do_not_take_every_connection(url: str) -> None:
+    with ExitStack() as held:
+        for _ in range(2 * MAX_CONNECTIONS):  # each still sending its body, a byte at a time
+            sock = held.enter_context(raw_connection(url))
+            sock.sendall(
+                EARLY_ANSWERS["401"] + b"Host: steprecord\r\ncontent-length: 1000000000\r\n\r\n{"
+            )
+            said = trickle_body_until_closed(sock, time.monotonic(), BODY_TIMEOUT / 2)
+            assert said.startswith(b"HTTP/1.1 401"), said
+        with httpx.Client(base_url=url, timeout=5) as client:
+            assert client.get("/healthz").status_code == 200

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
@@ -19,8 +20,9 @@ from prometheus_client import REGISTRY
 from app import live
 from app.access import new_token
 from app.config import Settings
-from app.data.stream import Position
+from app.data.stream import STREAM_READ_BYTES, Position
 from app.db import Pool
+from app.limits import MAX_OUTPUT_BYTES
 from app.live import LISTENER_NAME
 from app.main import create_app
 from app.replica import ReadPool
@@ -507,8 +509,8 @@ def slugs_of(update: live.Update) -> list[str]:
     """The step slugs of an update's events, in the order they would be sent."""
     return [
         json.loads(line.removeprefix("data: "))["step_slug"]
-        for frame in update.frames.decode().split("\n\n")
-        for line in frame.split("\n")
+        for frame in update.frames
+        for line in frame.decode().split("\n")
         if line.startswith("data: ")
     ]
 
@@ -772,3 +774,113 @@ def test_streams_opening_at_once_wait_their_turn_beyond_a_few_and_all_open(
             assert got == slugs
 
     asyncio.run(main())
+
+
+# --- a stream's memory is bounded by what it sends, not by what the instance holds ----------
+
+# `{"blob": "xx…x"}` as the database writes it: exactly the largest inline output.
+BLOB = "x" * (MAX_OUTPUT_BYTES - len('{"blob": ""}'))
+
+
+def seed_outputs(database_url: str, key: str, count: int) -> list[str]:
+    """`count` completed steps of `key`, each with the largest inline output: their slugs."""
+    slugs = [f"big{n:02}" for n in range(count)]
+    output = json.dumps({"blob": BLOB})
+    with psycopg.connect(database_url) as conn:
+        instance_id = new_instance(conn, key)
+        for ordinal, slug in enumerate(slugs):
+            declare(conn, instance_id, slug, ordinal)
+            conn.execute(
+                "UPDATE workflow_step_record SET status = 'running', started_at = now()"
+                " WHERE instance_id = %s AND step_slug = %s",
+                (instance_id, slug),
+            )
+            conn.execute(
+                "UPDATE workflow_step_record SET status = 'completed', completed_at = now(),"
+                " output = %s::jsonb WHERE instance_id = %s AND step_slug = %s",
+                (output, instance_id, slug),
+            )
+    return slugs
+
+
+def test_a_stream_read_stops_at_its_byte_budget_and_reads_on_to_every_record(
+    sharing_database: str,
+) -> None:
+    slugs = seed_outputs(sharing_database, "large", 2 * STREAM_READ_BYTES // MAX_OUTPUT_BYTES + 1)
+
+    async def main() -> None:
+        held = HeldPool(sharing_database)
+        try:
+            got: list[str] = []
+            position: Position = (0, 0)
+            reads = 0
+            while True:
+                update = await live.read_changes(held.reads, "large", position)
+                reads += 1
+                assert sum(map(len, update.frames)) < 2 * STREAM_READ_BYTES
+                got += slugs_of(update)
+                position = update.position
+                if not update.more:
+                    break
+            assert got == slugs  # each once, in order
+            assert reads == 3
+        finally:
+            await held.pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_stream_sends_each_event_in_a_write_of_its_own(sharing_database: str) -> None:
+    slugs = [f"s{n}" for n in range(5)]
+    seed_records(sharing_database, "pieces", slugs)
+
+    async def main() -> None:
+        app = create_app(Settings(database_url=sharing_database))
+        gone = asyncio.Event()
+        bodies: list[bytes] = []
+        asked = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal asked
+            if not asked:
+                asked = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.body" and message.get("body"):
+                bodies.append(message["body"])
+                if len(bodies) == len(slugs):
+                    gone.set()
+
+        async with app.router.lifespan_context(app):
+            scope = asgi_scope("GET", "/v1/instances/pieces/stream")
+            await asyncio.wait_for(app(scope, receive, send), WAIT)
+        assert [body.count(b"event: record\n") for body in bodies] == [1] * len(slugs)
+        sent = [json.loads(body.split(b"data: ")[1])["step_slug"] for body in bodies]
+        assert sent == slugs
+
+    asyncio.run(main())
+
+
+def test_a_stream_whose_client_stops_reading_is_ended(server_dsn: str) -> None:
+    with migrated_database(server_dsn, "steprecord_stream_stalled_") as url:
+        seed_outputs(url, "unread", 12)  # 12 MiB: more than the sockets' buffers hold
+        env = {"STEPRECORD_SEND_TIMEOUT_SECONDS": "1"}
+        base, proc = start_server(url, env=env)
+        try:
+            host, port = base.removeprefix("http://").split(":")
+            with socket.socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.connect((host, int(port)))
+                sock.sendall(b"GET /v1/instances/unread/stream HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # then reads no more
+
+                def streams_open() -> float:
+                    return metric(httpx.get(f"{base}/metrics").text, "steprecord_streams_open")
+
+                eventually(lambda: streams_open() == 1, what="the stream open")
+                eventually(lambda: streams_open() == 0, 10, what="the unread stream ended")
+        finally:
+            stop(proc)

@@ -12,7 +12,7 @@ from psycopg.rows import tuple_row
 from app.data.common import RECORD, with_key
 from app.db import AsyncConn
 from app.domain import InstanceNotFound, Order, Page, StepNotFound
-from app.serialize import RECORD_KEYS
+from app.serialize import MAX_PAGE_BYTES, RECORD_KEYS
 
 # The instance of a key, by its id (derived from the key): on Citus the id names the shard, so
 # a read of one instance goes to that shard alone (a filter on the key alone would ask every
@@ -45,10 +45,16 @@ async def get_step(conn: AsyncConn, instance_key: str, step_slug: str) -> dict[s
 # every call. Its columns are `PAGE_COLUMNS`, the record as the API shows it, in that order.
 LIST_PAGE = (
     "SELECT * FROM steprecord_list_page($1::text, $2::text, $3::integer, $4::timestamptz,"
-    " $5::bigint, $6::text[], $7::integer)"
+    " $5::bigint, $6::text[], $7::integer, $8::bigint)"
 )
-# The function answers the record's columns in the API's order (a test checks them).
+# The function answers the record's columns in the API's order (a test checks them), then
+# `cut`: whether the page stopped at that row for its bytes.
 PAGE_COLUMNS = RECORD_KEYS
+# A page stops once its records hold this many bytes of long values (outputs as text, error
+# messages, URLs), counted in the database as it reads them: the service never holds more of
+# them than about this much for one page, however many rows `limit` names. The rendered
+# answer is bounded apart (`MAX_PAGE_BYTES`: JSON escapes may make it longer).
+PAGE_READ_BYTES = MAX_PAGE_BYTES
 
 
 async def list_steps(
@@ -73,7 +79,7 @@ async def list_steps(
     elif after:
         after_started_at, after_id = after
     params = [instance_key, order, after_ordinal, after_started_at, after_id]
-    params += [list(statuses) if statuses else None, limit + 1]
+    params += [list(statuses) if statuses else None, limit + 1, PAGE_READ_BYTES]
     async with psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur:
         await cur.execute(LIST_PAGE, params, binary=True)
         rows = await cur.fetchall()
@@ -81,9 +87,10 @@ async def list_steps(
         raise InstanceNotFound(instance_key)
     if rows[0][0] is None:  # the instance has no such record
         return Page([], None)
-    # map() over zip: a third cheaper than a comprehension calling zip(..., strict=False).
+    # map() over zip: a third cheaper than a comprehension calling zip(..., strict=False);
+    # zip leaves out `cut`, the column after the record's.
     items = list(map(dict, map(zip, repeat(PAGE_COLUMNS), rows[:limit])))
-    last = items[-1] if len(rows) > limit else None
+    last = items[-1] if len(rows) > limit or rows[-1][-1] else None
     return Page(items, last)
 
 

@@ -14,6 +14,10 @@ from app.domain import InstanceNotFound, InstanceNotReplayed
 # The channel the record's triggers notify on commit, with the instance's id as payload.
 CHANNEL = "steprecord_changes"
 STREAM_PAGE = 500
+# A read stops once its records hold this many bytes of long values (outputs as text, error
+# messages, URLs), counted in the database: a stream holds about this much of an instance's
+# records at a time, however large they are, and reads on from where it stopped.
+STREAM_READ_BYTES = 4 * 1024 * 1024
 
 # A stream's read: the records of an instance changed after a position `(changed_xid, id)`,
 # up to the horizon (app/sql/live_updates.sql says what that is). Its first argument is the
@@ -25,12 +29,12 @@ STREAM_PAGE = 500
 # function answers at least one row, with the instance's id when it exists.
 STREAM_CHANGES = f"""
 SELECT s.standby, s.instance_id, s.horizon::text AS horizon, s.since_xid::text AS since_xid,
-       s.since_id, s.behind, s.changed_xid::text AS changed_xid, {RECORD.format(r="s")}
+       s.since_id, s.behind, s.cut, s.changed_xid::text AS changed_xid, {RECORD.format(r="s")}
 FROM steprecord_stream_changes(steprecord_instance_id(%(instance_key)s::text),
     %(instance_key)s::text, %(after_xid)s::text::xid8, %(after_id)s::bigint,
-    %(limit)s::integer) s
+    %(limit)s::integer, %(max_bytes)s::bigint) s
 """
-HEAD = ("standby", "instance_id", "horizon", "since_xid", "since_id", "behind")
+HEAD = ("standby", "instance_id", "horizon", "since_xid", "since_id", "behind", "cut")
 
 Position = tuple[int, int]  # (changed_xid, id) of the last change sent
 
@@ -41,7 +45,7 @@ class Changes:
     records: list[dict[str, Any]]  # each with its `changed_xid` (an int)
     position: Position  # where the next read starts
     since: Position  # where it read from: the position asked for, or (0, 0) (another node's)
-    more: bool  # a full page: read on at once
+    more: bool  # a full page (of records, or of bytes): read on at once
     behind: bool  # a change waits (for an older transaction, or for replay): read again shortly
     caught_up: bool  # the read saw every commit up to `target` (always, on the primary)
 
@@ -53,8 +57,10 @@ async def stream_changes(
     limit: int = STREAM_PAGE,
     *,
     target: int = 0,
+    max_bytes: int = STREAM_READ_BYTES,
 ) -> Changes:
-    """The instance's records changed after `after`, up to the horizon (see above).
+    """The instance's records changed after `after`, up to the horizon (see above): at most
+    `limit` of them, stopping once they hold `max_bytes` of long values.
 
     `target`: a primary WAL position (`wal_position`) whose commits the read must see. A
     standby that has not replayed that far yet answers `behind`, not `caught_up`. Its replay
@@ -68,10 +74,11 @@ async def stream_changes(
         "after_xid": str(after[0]),
         "after_id": after[1],
         "limit": limit,
+        "max_bytes": max_bytes,
     }
     cur = await conn.execute(STREAM_CHANGES, params)
     rows = await cur.fetchall()
-    first = rows[0]
+    first, cut = rows[0], rows[-1]["cut"]
     standby, instance_id, horizon = first["standby"], first["instance_id"], first["horizon"]
     behind, since = first["behind"], (int(first["since_xid"]), first["since_id"])
     if instance_id is None:
@@ -85,7 +92,7 @@ async def stream_changes(
             del row[key]
         row["changed_xid"] = int(row["changed_xid"])
         records.append(with_key(row, instance_key))
-    if len(records) == limit:
+    if len(records) == limit or cut:
         last = records[-1]
         position = (last["changed_xid"], last["id"])
         return Changes(instance_id, records, position, since, True, True, not lagging)

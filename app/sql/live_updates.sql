@@ -64,13 +64,19 @@ FOR EACH ROW EXECUTE FUNCTION workflow_step_record_notify();
 -- again rather than wait for this server's ids to get there. A standby may lag behind a
 -- position the primary gave: it never resets.
 --
+-- At most p_limit records, and no more once the records answered hold p_max_bytes of long
+-- values (output as text, error message, output URL) or more: `cut` is true on the last row
+-- when the read stopped there for its bytes, and the stream reads on from that record. The
+-- rows are read one by one and counted as they come, so a stream's first read of an instance
+-- of large outputs stops reading at the bound.
+--
 -- PL/pgSQL, with the instance's id first: on Citus it is a distributed function by that
 -- argument, so the whole call runs on the worker that holds the instance, and the snapshot,
 -- the transaction ids and the activity view are that worker's, the ones the records'
 -- `changed_xid` stamps come from.
 CREATE OR REPLACE FUNCTION steprecord_stream_changes(
     p_instance_id bigint, p_instance_key text, p_after_xid xid8, p_after_id bigint,
-    p_limit integer
+    p_limit integer, p_max_bytes bigint
 )
 RETURNS TABLE (
     standby boolean, instance_id bigint, horizon xid8, since_xid xid8, since_id bigint,
@@ -78,7 +84,7 @@ RETURNS TABLE (
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
     output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
     lease_expires_at timestamptz, error_code text, error_message text,
-    created_at timestamptz, updated_at timestamptz, updated_by text
+    created_at timestamptz, updated_at timestamptz, updated_by text, cut boolean
 )
 LANGUAGE plpgsql STABLE
 SET plan_cache_mode = force_custom_plan
@@ -90,6 +96,7 @@ DECLARE
     v_horizon xid8;
     v_after_xid xid8 := p_after_xid;
     v_after_id bigint := p_after_id;
+    v_bytes bigint := 0;
 BEGIN
     IF v_standby THEN
         v_horizon := pg_snapshot_xmin(v_snapshot);
@@ -105,7 +112,10 @@ BEGIN
             v_after_id := 0;
         END IF;
     END IF;
-    RETURN QUERY
+    cut := false;
+    FOR standby, instance_id, horizon, since_xid, since_id, behind, changed_xid, id, step_slug,
+        ordinal, status, attempt_count, output, external_output_url, started_at, completed_at,
+        lease_expires_at, error_code, error_message, created_at, updated_at, updated_by IN
     SELECT v_standby, p.id, v_horizon, v_after_xid, v_after_id,
            EXISTS (SELECT FROM workflow_step_record l
                    WHERE l.instance_id = p_instance_id AND l.changed_xid >= v_horizon
@@ -128,6 +138,14 @@ BEGIN
           AND r.changed_xid < v_horizon
         ORDER BY r.changed_xid, r.id
         LIMIT p_limit
-    ) s ON true;
+    ) s ON true
+    LOOP
+        v_bytes := v_bytes + coalesce(octet_length(output), 0)
+            + coalesce(octet_length(error_message), 0)
+            + coalesce(octet_length(external_output_url), 0);
+        cut := v_bytes >= p_max_bytes;
+        RETURN NEXT;
+        EXIT WHEN cut;
+    END LOOP;
 END
 $fn$;

@@ -26,7 +26,7 @@ from app import cursors
 from app.bodies import parse_event
 from app.config import Settings
 from app.data import judge
-from app.data.reads import LIST_PAGE, PAGE_COLUMNS
+from app.data.reads import LIST_PAGE, PAGE_COLUMNS, PAGE_READ_BYTES
 from app.db import Pool
 from app.routes.refusals import judged
 from app.serialize import dumps, loads, page_json
@@ -60,7 +60,7 @@ async def event(key: str, slug: str, kind: Any, body: bytes) -> tuple[int, bytes
 
 
 async def page(instance_key: str) -> bytes:
-    params = [instance_key, "ordinal", -1, "-infinity", 0, None, LIMIT + 1]
+    params = [instance_key, "ordinal", -1, "-infinity", 0, None, LIMIT + 1, PAGE_READ_BYTES]
     async with (
         _pool().connection() as conn,
         psycopg.AsyncRawCursor(conn, row_factory=tuple_row) as cur,

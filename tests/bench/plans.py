@@ -112,7 +112,8 @@ def reads_to_explain(conn: psycopg.Connection[Any]) -> list[tuple[str, str, dict
         ),
         (
             "A page of an instance's records (GET /v1/instances/{key}/steps), by ordinal",
-            "SELECT * FROM steprecord_list_page(%(key)s, 'ordinal', -1, '-infinity', 0, NULL, 101)",
+            "SELECT * FROM steprecord_list_page(%(key)s, 'ordinal', -1, '-infinity', 0, NULL, 101,"
+            " 16777216)",
             {"key": key},
         ),
         (

@@ -44,7 +44,7 @@ from psycopg.conninfo import make_conninfo  # noqa: E402
 from app.access import ANONYMOUS, new_token  # noqa: E402
 from app.cli import migrate  # noqa: E402
 from app.data import judge  # noqa: E402
-from app.data.reads import LIST_PAGE  # noqa: E402
+from app.data.reads import LIST_PAGE, PAGE_READ_BYTES  # noqa: E402
 from app.embedded import EmbeddedPostgres  # noqa: E402
 from tests.bench import queries  # noqa: E402
 
@@ -412,6 +412,7 @@ def limit_read_script(order: str, path: Path) -> Path:
     """The limit of a page read as a pgbench script: the page function's statement called with
     the arguments the service passes for the first page (app/data/reads.py, `list_steps`)."""
     arguments = ["'r' || :k", f"'{order}'", "-1", "'-infinity'", "0", "NULL", str(READ_LIMIT + 1)]
+    arguments.append(str(PAGE_READ_BYTES))
     call = pgbench_statement(LIST_PAGE, arguments)
     path.write_text(f"\\set k random(1, :instances)\n{call}\n")
     return path
