@@ -209,9 +209,9 @@ def test_the_downgrade_refuses_while_a_key_holds_what_the_older_format_refuses(
         pytest.skip("migrating down is for one server (as in tests/test_schema.py)")
     config = alembic_config()
     config.attributes["database_url"] = scratch_database
-    before = ScriptDirectory.from_config(config).get_revision("0032").down_revision
+    before = ScriptDirectory.from_config(config).get_revision("0033").down_revision
     assert isinstance(before, str)
-    command.upgrade(config, "0032")
+    command.upgrade(config, "0033")
     with psycopg.connect(scratch_database, autocommit=True) as conn:
         for key in (SCHEDULED, "plain-key"):
             conn.execute(
@@ -224,7 +224,7 @@ def test_the_downgrade_refuses_while_a_key_holds_what_the_older_format_refuses(
     assert f"1 instance keys hold '+' or '~' (e.g. {SCHEDULED})" in str(refused.value)
     with psycopg.connect(scratch_database, autocommit=True) as conn:
         version = conn.execute("SELECT version_num FROM alembic_version").fetchone()
-        assert version == ("0032",)
+        assert version == ("0033",)
         conn.execute("DELETE FROM process_instance WHERE instance_key = %s", (SCHEDULED,))
     command.downgrade(config, before)
     with (

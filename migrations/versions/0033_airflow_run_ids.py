@@ -17,8 +17,8 @@ Downgrade narrows it back, and refuses (changing nothing) while a key holds `+` 
 naming how many and the first few: delete those instances first
 (`DELETE /v1/instances/{instance_key}`, or `steprecord prune`), then migrate down again.
 
-Revision ID: 0032
-Revises: 0031
+Revision ID: 0033
+Revises: 0032
 Create Date: 2026-12-07
 """
 
@@ -26,8 +26,8 @@ from alembic import op
 
 from migrations.guard import MigrationRefused, found
 
-revision = "0032"
-down_revision = "0031"
+revision = "0033"
+down_revision = "0032"
 branch_labels = None
 depends_on = None
 
@@ -61,7 +61,7 @@ def downgrade() -> None:
     keys = found(WIDER_KEYS)
     if keys is not None:
         raise MigrationRefused(
-            f"downgrade of 0032 refused: {keys}, which the key format before 0032 refuses."
+            f"downgrade of 0033 refused: {keys}, which the key format before 0033 refuses."
             " Nothing was changed. Delete those instances first (DELETE"
             " /v1/instances/{instance_key}, or `steprecord prune`), then migrate down again."
         )
