@@ -41,10 +41,11 @@ with DAG("standalone_run", schedule=None, start_date=datetime(2026, 1, 1), catch
         task_id="wait",
         python_callable=lambda: count("pokes") >= 1,
         mode="reschedule",
-        # Not shorter: Airflow 3.3 with LocalExecutor may queue the next poke before it has
-        # taken the executor's event of the last one, then fails the sensor ("finished with
-        # state success, but the task instance's state attribute is queued").
-        poke_interval=5,
+        # Not shorter: a LocalExecutor worker reports a finished workload up to
+        # `[workers] min_heartbeat_interval` (5 s) late, and Airflow 3.3 fails a sensor whose
+        # next poke was queued before that report arrived ("finished with state success,
+        # but the task instance's state attribute is queued").
+        poke_interval=15,
         timeout=120,
     )
 
