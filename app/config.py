@@ -47,10 +47,10 @@ class Settings(BaseSettings):
     # psycopg's prepare_threshold: server-side prepared statements from a statement's first
     # use (0); `none` keeps none, for PgBouncer before 1.21 in transaction mode.
     prepare_threshold: int | None = Field(default=0, ge=0)
-    # On Citus: send each instance's events and heartbeats straight to the node holding it
-    # (app/nodes.py), reading the coordinator's shard map every `shard_map_seconds`; off: every
-    # call goes to the coordinator, which delegates it.
-    citus_direct: bool = True
+    # On Citus: send each instance's events, heartbeats and reads straight to the node holding
+    # it (app/nodes.py), reading the coordinator's shard map every `shard_map_seconds`; off (the
+    # default): every call goes to the coordinator, which delegates it.
+    citus_direct: bool = False
     shard_map_seconds: float = Field(default=10.0, gt=0, le=3600)
     # Anonymous access while no token exists also through a proxy or a public address.
     insecure_no_auth: bool = False

@@ -70,8 +70,8 @@ def known_revisions() -> frozenset[str]:
 async def _nodes(
     settings: Settings, primary: Pool, make_pool: Callable[[str, str], Pool]
 ) -> Nodes | None:
-    """On Citus (and unless `STEPRECORD_CITUS_DIRECT=false`), where each instance lives; None
-    on one node, or when the database cannot be asked now (every call goes to the primary)."""
+    """On Citus with `STEPRECORD_CITUS_DIRECT=true`, where each instance lives; None otherwise,
+    or when the database cannot be asked now (every call goes to the primary)."""
     if not settings.citus_direct:
         return None
     try:

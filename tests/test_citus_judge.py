@@ -271,8 +271,8 @@ WHERE datname = current_database() AND application_name = 'steprecord-direct-tes
 def test_the_service_sends_each_instance_s_events_to_the_node_that_holds_it(
     citus: CitusCluster, cluster_database: str
 ) -> None:
-    """With the shard map (the default), a service's events, heartbeats and reads of one
-    instance reach each worker over connections of its own; with
+    """With the shard map (`STEPRECORD_CITUS_DIRECT=true`), a service's events, heartbeats and
+    reads of one instance reach each worker over connections of its own; with
     `STEPRECORD_CITUS_DIRECT=false` they all go through the coordinator, which delegates them
     (the workers see only Citus's connections)."""
     name = psycopg.conninfo.conninfo_to_dict(cluster_database)["dbname"]

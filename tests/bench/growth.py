@@ -85,7 +85,12 @@ LOADS = ("calls", "routed", "single", "batch")
 # One client (the load generator) may use a service worker's whole pool, and wait for it as
 # long as the capped database makes it: the database, not the service's admission control,
 # is what this measures.
-SERVICE_ENV = {"STEPRECORD_POOL_SHARE_PER_TOKEN": "10", "STEPRECORD_DB_TIMEOUT": "30"}
+SERVICE_ENV = {
+    "STEPRECORD_POOL_SHARE_PER_TOKEN": "10",
+    "STEPRECORD_DB_TIMEOUT": "30",
+    # Each event straight to the node holding its instance (app/nodes.py).
+    "STEPRECORD_CITUS_DIRECT": "true",
+}
 # A new record: a `start` of attempt 1 of a new step (one client's random slug) of an existing
 # instance, with the same arguments as citus.CALL's replay otherwise.
 NEW = (
