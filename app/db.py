@@ -22,7 +22,7 @@ to giving it back, is a client span of the request's span.
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -116,8 +116,10 @@ class Pool:
         on_change: Callable[[str, int], None] | None = None,
         tracer: tracing.Tracer | None = None,
         share: int | None = None,
+        configure: Callable[[AsyncConn], Awaitable[None]] | None = None,
     ) -> None:
         self._on_change = on_change
+        self._configure = configure
         self._tracer = tracer
         self._conninfo = conninfo
         self._timeout = timeout
@@ -148,6 +150,8 @@ class Pool:
         # Lists (the merge's arrays) go as binary arrays: psycopg dumps a batch's arrays about
         # seven times faster than as text, which it escapes element by element.
         conn.adapters.register_dumper(list, ListBinaryDumper)
+        if self._configure is not None:  # the rest of the session, as the caller wants it
+            await self._configure(conn)
         return conn
 
     @property

@@ -22,7 +22,11 @@ names it (the migration's transaction rolled back):
    makes a first token require tokens writes `access_policy` from `api_token`, which Citus
    refuses between reference tables (a trigger on a reference table's copy on a worker may
    not run a distributed statement).
-3. `process_instance` by `id`, then `workflow_step_record`, `workflow_step_attempt` and
+3. `process_instance` by `id`, in `citus.shard_count` shards where the operator set that
+   setting (for the server, the database, a role or the session), else in `SHARD_COUNT` (8,
+   not Citus's 32: a list across instances asks every shard, and with 32 shards on two
+   workers such a list cost the cluster 2.6 times what it costs with 8, docs/scaling.md);
+   then `workflow_step_record`, `workflow_step_attempt` and
    `workflow_step_repair` (the repair log) by `instance_id`, co-located with it: one
    instance's rows live together on one worker.
    `uq_process_instance_instance_key` is dropped first (Citus keeps only unique keys that
@@ -80,6 +84,12 @@ CUSTOM_PLANS = (
 )
 
 HAS_CITUS = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"
+# The instances' shards where the operator has not set `citus.shard_count` (3. above).
+SHARD_COUNT = 8
+SHARDS = """
+SELECT CASE WHEN source = 'default' THEN %s ELSE setting::int END
+FROM pg_settings WHERE name = 'citus.shard_count'
+"""
 # The database's own setting (for every role) that Citus's triggers need, if it is there.
 UNSAFE_TRIGGERS_SET = """
 SELECT 1 FROM pg_db_role_setting s JOIN pg_database d ON d.oid = s.setdatabase
@@ -168,14 +178,21 @@ def distribute(connection: Connection) -> bool:
                 "ALTER TABLE process_instance"
                 " DROP CONSTRAINT IF EXISTS uq_process_instance_instance_key"
             )
-        colocate = "default" if table == "process_instance" else "process_instance"
         # The rows copied to the shards are no new writes: the triggers stay off meanwhile
         # (the history's trigger would write the history again, before its table is there).
         sql(f"ALTER TABLE {table} DISABLE TRIGGER USER")
-        sql(
-            "SELECT create_distributed_table(%s, %s, colocate_with => %s)",
-            (table, column, colocate),
-        )
+        if table == "process_instance":
+            shards = sql(SHARDS, (SHARD_COUNT,)).scalar_one()
+            sql(
+                "SELECT create_distributed_table(%s, %s, colocate_with => 'none',"
+                " shard_count => %s)",
+                (table, column, shards),
+            )
+        else:
+            sql(
+                "SELECT create_distributed_table(%s, %s, colocate_with => 'process_instance')",
+                (table, column),
+            )
         sql(f"ALTER TABLE {table} ENABLE TRIGGER USER")
     for name in DELEGATED_FUNCTIONS:
         for function, by_instance in sql(NAMED_FUNCTION, (name,)).all():

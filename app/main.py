@@ -108,6 +108,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 on_change=functools.partial(observe.pool_changed, name),
                 tracer=tracer,
                 share=share,
+                configure=placement.configure,
             )
 
         primary = pool(primary_url, "primary")

@@ -72,18 +72,11 @@ def _citus_bin_path() -> Path:
     return bin_path
 
 
-# The tests' clusters give each distributed table 8 shards (4 on each worker), not Citus's
-# default 32: every behaviour that needs several shards on a worker is still there, and the
-# statements that reach every shard (each test's TRUNCATE, each migration) cost a third.
-# The benchmarks keep the default.
-TEST_SHARDS = 8
-
-
 @pytest.fixture(scope="session")
 def citus() -> Iterator[CitusCluster]:
     """A Citus cluster of the tests' own: a coordinator and two workers, stopped at the end."""
     bin_path = _citus_bin_path()
-    with server_directory() as root, citus_cluster(root, bin_path, shards=TEST_SHARDS) as cluster:
+    with server_directory() as root, citus_cluster(root, bin_path) as cluster:
         yield cluster
 
 
@@ -92,7 +85,7 @@ def own_citus() -> Iterator[CitusCluster]:
     """A Citus cluster of one test's own, whose nodes the test may stop and start (each is
     stopped at the end, whatever the test left running)."""
     bin_path = _citus_bin_path()
-    with server_directory() as root, citus_cluster(root, bin_path, shards=TEST_SHARDS) as cluster:
+    with server_directory() as root, citus_cluster(root, bin_path) as cluster:
         yield cluster
 
 

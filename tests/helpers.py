@@ -495,8 +495,8 @@ def citus_cluster(
 ) -> Iterator[CitusCluster]:
     """Starts a coordinator and `workers` workers under `root` (the extension created in each
     maintenance database, the workers added), and stops them all on the way out. `shards`:
-    each distributed table's number of shards (`citus.shard_count`; Citus's default, 32,
-    when None)."""
+    each distributed table's number of shards (`citus.shard_count`; None: what `steprecord
+    migrate` chooses, 8, 4 on each of two workers)."""
     # wal_level = logical: Citus moves shards by logical replication unless told to block writes.
     settings = {"shared_preload_libraries": "citus", "wal_level": "logical"}
     if shards is not None:

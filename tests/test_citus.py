@@ -112,6 +112,33 @@ def test_migrate_distributes_the_fact_tables_by_instance_and_the_judge_with_them
         drop_database(citus.url, name)
 
 
+@pytest.mark.parametrize(
+    ("options", "shards"), [(None, 8), ("-c citus.shard_count=4", 4)], ids=["unset", "set"]
+)
+def test_migrate_gives_the_instances_eight_shards_unless_the_operator_set_a_count(
+    citus: CitusCluster, options: str | None, shards: int
+) -> None:
+    name = f"steprecord_citus_{uuid.uuid4().hex[:8]}"
+    url = create_database(citus.url, name)
+    try:
+        migrate(url if options is None else psycopg.conninfo.make_conninfo(url, options=options))
+        with psycopg.connect(url) as conn:
+            counts = conn.execute(
+                "SELECT logicalrelid::text, count(*) FROM pg_dist_shard GROUP BY 1"
+            ).fetchall()
+        assert dict(counts) == {
+            table: shards
+            for table in (
+                "process_instance",
+                "workflow_step_record",
+                "workflow_step_attempt",
+                "workflow_step_repair",
+            )
+        }
+    finally:
+        drop_database(citus.url, name)
+
+
 # At one node: 40 instances, each with a completed step and a running one.
 WRITE_ROWS = """
 SELECT count(*) FROM steprecord_apply_events(

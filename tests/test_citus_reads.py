@@ -13,10 +13,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
 
 from app.cli import migrate
-from app.data import dashboard, reads, retention, running, stats
+from app.data import dashboard, placement, reads, retention, running, stats
+from app.db import Pool
 from tests.bench.plans import NOW, load
 from tests.helpers import CitusCluster, create_database, drop_database
 
@@ -177,6 +179,26 @@ def test_the_instances_and_the_statistics_are_read_from_every_shard(
     assert row is not None
     outcomes = ("completed", "failed", "superseded", "running")
     assert sum(i[outcome] for i in items for outcome in outcomes) == row["n"] > 0
+
+
+def test_the_service_reads_many_shards_over_its_kept_connections_unless_the_operator_chose(
+    cluster_url: str,
+) -> None:
+    async def setting(url: str) -> str:
+        pool = Pool(url, size=1, timeout=5, statement_timeout=5, prepare_threshold=None,
+                    configure=placement.configure)  # fmt: skip
+        try:
+            async with pool.connection() as conn:
+                cur = await conn.execute("SHOW citus.max_adaptive_executor_pool_size")
+                row = await cur.fetchone()
+                assert row is not None
+                return str(row["citus.max_adaptive_executor_pool_size"])
+        finally:
+            await pool.close()
+
+    assert asyncio.run(setting(cluster_url)) == "1"
+    chosen = make_conninfo(cluster_url, options="-c citus.max_adaptive_executor_pool_size=4")
+    assert asyncio.run(setting(chosen)) == "4"
 
 
 def test_delete_removes_the_instance_on_its_worker_and_notifies_the_coordinator(

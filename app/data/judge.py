@@ -7,7 +7,6 @@ event (or per set of events of distinct steps), nothing decided in Python.
 
 from collections.abc import Callable, Sequence
 from typing import Any
-from weakref import WeakKeyDictionary
 
 import psycopg
 
@@ -127,7 +126,7 @@ async def apply_events(
     transaction.
     """
     outcomes: list[Result | Exception | None] = [None] * len(events)
-    if await _citus(conn):
+    if await placement.is_citus(conn):
         await _apply_one_by_one(conn, events, outcomes, trace_id, writer)
         return [await _final(conn, events[i], o) for i, o in enumerate(outcomes)]
     segment: list[int] = []
@@ -142,17 +141,6 @@ async def apply_events(
     if segment:
         await _apply_segment(conn, events, segment, outcomes, trace_id, writer)
     return [await _final(conn, events[i], o) for i, o in enumerate(outcomes)]
-
-
-# Whether a connection's database has Citus, asked once per connection.
-_CITUS: WeakKeyDictionary[AsyncConn, bool] = WeakKeyDictionary()
-
-
-async def _citus(conn: AsyncConn) -> bool:
-    citus = _CITUS.get(conn)
-    if citus is None:
-        citus = _CITUS[conn] = await placement.has_citus(conn)
-    return citus
 
 
 async def _apply_one_by_one(

@@ -4,11 +4,30 @@ Both are Citus's own answers, asked of the coordinator: the node holding each sh
 `process_instance` (the instance's co-located shards live there too), and the shard of a key
 as Citus computes it (`get_shard_id_for_distribution_column` on the key's id), so nothing of
 Citus's hashing is repeated here.
+
+And how each of the service's connections to a Citus node reads many shards (`configure`,
+run once on every new connection): over the one connection the node keeps to each worker,
+shard after shard, not over connections opened for the statement. A list across instances
+asks every shard for a page's rows (a few index reads each): opening up to 16 connections to
+each worker for it, each a new backend that plans its first statements cold, cost the
+cluster 3-4 times the list itself (docs/scaling.md, "Citus: how the reads run"). The
+operator's own `citus.max_adaptive_executor_pool_size` (for the database, a role, or the
+server) is left as it is.
 """
+
+from weakref import WeakKeyDictionary
 
 from app.db import AsyncConn
 
 HAS_CITUS = "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') AS citus"
+# Whether the database has Citus, and whether no one set how many connections a statement
+# may open to each worker (so the service may choose).
+SESSION = """
+SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') AS citus,
+       coalesce((SELECT source = 'default' FROM pg_settings
+                 WHERE name = 'citus.max_adaptive_executor_pool_size'), false) AS unset
+"""
+SHARDS_OVER_KEPT_CONNECTIONS = "SET citus.max_adaptive_executor_pool_size = 1"
 
 # Each shard of the instances, with the node that holds it (its active primary placement).
 SHARD_NODES = """
@@ -32,6 +51,27 @@ ORDER BY n
 async def has_citus(conn: AsyncConn) -> bool:
     row = await (await conn.execute(HAS_CITUS)).fetchone()
     return bool(row and row["citus"])
+
+
+# Whether each connection's database has Citus, asked once per connection.
+_CITUS: WeakKeyDictionary[AsyncConn, bool] = WeakKeyDictionary()
+
+
+async def configure(conn: AsyncConn) -> None:
+    """A new connection's session on a Citus node reads a statement's shards over the
+    connections it keeps to the workers (see above); nothing changes on one node."""
+    row = await (await conn.execute(SESSION)).fetchone()
+    _CITUS[conn] = citus = bool(row and row["citus"])
+    if citus and row and row["unset"]:
+        await conn.execute(SHARDS_OVER_KEPT_CONNECTIONS)
+
+
+async def is_citus(conn: AsyncConn) -> bool:
+    """Whether the connection's database has Citus (asked once per connection)."""
+    citus = _CITUS.get(conn)
+    if citus is None:
+        citus = _CITUS[conn] = await has_citus(conn)
+    return citus
 
 
 async def shard_nodes(conn: AsyncConn) -> dict[int, tuple[str, int]]:

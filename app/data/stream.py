@@ -6,6 +6,7 @@ from typing import Any
 
 import psycopg
 
+from app.data import placement
 from app.data.common import RECORD, with_key
 from app.data.replication import replay_position
 from app.db import AsyncConn
@@ -101,7 +102,6 @@ async def stream_changes(
 
 
 # A Citus coordinator's workers (a server without Citus has no node list).
-HAS_CITUS = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"
 WORKERS = """
 SELECT nodename, nodeport FROM pg_dist_node
 WHERE noderole = 'primary' AND groupid <> 0 AND isactive
@@ -111,7 +111,8 @@ ORDER BY nodeid
 
 async def citus_workers(conn: psycopg.AsyncConnection[Any]) -> list[tuple[str, int]]:
     """The workers whose shards notify, on a Citus coordinator; none on a server without it."""
-    if await (await conn.execute(HAS_CITUS)).fetchone() is None:
+    row = await (await conn.execute(placement.HAS_CITUS)).fetchone()
+    if not (row and row[0]):
         return []
     return [(str(host), int(port)) for host, port in await (await conn.execute(WORKERS)).fetchall()]
 

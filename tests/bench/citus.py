@@ -28,6 +28,8 @@ seconds (so that other work on the machine skews all sides alike):
   on a worker (every node can query: the worker delegates to itself or the other worker; a
   service cannot be pointed at a worker yet, since its migration and readiness check read
   `alembic_version`, which stays on the coordinator);
+- stats: `stats.lua`, step statistics over the attempts that started in one minute (about
+  2,400 of them; on the cluster every shard's go to the coordinator);
 - single: `events.lua` (a `start` of a new step, then its `complete`);
 - batch: `batch.lua` (100 events a request).
 
@@ -63,6 +65,7 @@ from psycopg.conninfo import make_conninfo  # noqa: E402
 
 from app.cli import migrate  # noqa: E402
 from app.data import judge  # noqa: E402
+from app.distribution import SHARD_COUNT  # noqa: E402
 from app.embedded import EmbeddedPostgres  # noqa: E402
 from tests.bench import plans, run  # noqa: E402
 from tests.bench.run import Load  # noqa: E402
@@ -81,7 +84,7 @@ CONNECTIONS = 16
 # pending (pending are the last 5 %), so a start of attempt 1 is a replay on every one of them.
 READ_INSTANCES = 40
 REPLAY_STEPS = 95
-LOADS = ("replays", "reads", "steps", "calls", "single", "batch")
+LOADS = ("replays", "reads", "steps", "stats", "calls", "single", "batch")
 # The replay of a start as the service passes it to the judge (app/data/judge.py).
 REPLAY = {
     "instance_key": "'r' || :k",
@@ -239,7 +242,10 @@ def main() -> int:
         " citus.max_adaptive_executor_pool_size=1; repeatable",
     )
     parser.add_argument(
-        "--shards", type=int, default=32, help="shards per distributed table (32, Citus's default)"
+        "--shards",
+        type=int,
+        default=SHARD_COUNT,
+        help=f"shards per distributed table ({SHARD_COUNT}, what `steprecord migrate` chooses)",
     )
     args = parser.parse_args()
     loads = args.loads.split(",")
@@ -294,18 +300,21 @@ def main() -> int:
             one = Side("one node", one_nodes, one_base, log=root / "one-node.log")
             distributed = Side("cluster", cluster_nodes, cluster_base, log=root / "cluster.log")
             sides: list[tuple[Side, Callable[[], Load]]]
-            if name in ("replays", "reads", "steps"):
+            if name in ("replays", "reads", "steps", "stats"):
                 script = f"{name}.lua"
                 title = {
                     "replays": "replayed single events (replays.lua), events/s",
                     "reads": "first pages of 100 records (reads.lua), reads/s",
                     "steps": "first pages of 100 records across instances (steps.lua), reads/s",
+                    "stats": "step statistics over a minute's attempts (stats.lua), reads/s",
                 }[name]
                 wrk_args: list[object] = ["r", READ_INSTANCES]
                 if name == "replays":
                     wrk_args += [REPLAY_STEPS]
                 elif name == "reads":
                     wrk_args += ["ordinal", run.READ_LIMIT]
+                elif name == "stats":
+                    wrk_args = []
                 else:
                     wrk_args = [run.READ_LIMIT]
                 sides = [
