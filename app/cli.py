@@ -32,7 +32,7 @@ from app.bodies import parse_reopen
 from app.config import Settings, is_loopback, parse_duration, redact
 from app.data import repairs, retention, revision, tokens
 from app.db import AsyncConn
-from app.distribution import WorkerUnreachable
+from app.distribution import CoordinatorUnknown, WorkerUnreachable, schema_url
 from app.embedded import EmbeddedPostgres
 from app.errors import Problem, to_problem
 from app.limits import PREFIX_DELIMITED_RE, PREFIX_RE
@@ -127,12 +127,13 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     try:
         with database(settings, notice=True) as url:
             try:
-                migrate(url)
-            except WorkerUnreachable as exc:
+                schema = schema_url(url)  # the coordinator, when `url` names a Citus worker
+                migrate(schema)
+            except (WorkerUnreachable, CoordinatorUnknown) as exc:
                 print(f"steprecord serve did not start: {exc}", file=sys.stderr)
                 return 1
             public = not is_loopback(args.host) and not args.insecure_no_auth
-            if public and asyncio.run(_count_tokens(url)) == 0:
+            if public and asyncio.run(_count_tokens(schema)) == 0:
                 print(
                     f"refusing to listen on {args.host} with no access token: create one with\n"
                     "  steprecord token create NAME --scope write\n"
@@ -417,7 +418,12 @@ def prune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"the archive {args.archive} exists: an archive is never overwritten")
     except OSError as exc:
         parser.error(f"cannot write the archive {args.archive}: {exc.strerror or exc}")
-    with database(Settings()) as url:
+    with database(Settings()) as given:
+        try:
+            url = schema_url(given)
+        except CoordinatorUnknown as exc:
+            print(f"steprecord prune: {exc}", file=sys.stderr)
+            return 1
         return asyncio.run(_prune(url, args, age, before))
 
 
@@ -709,7 +715,13 @@ def run(args: argparse.Namespace, p_prune: argparse.ArgumentParser) -> int:
     if args.command == "openapi":
         print(openapi_json())
         return 0
-    with database(Settings()) as url:
+    with database(Settings()) as given:
+        # Pointed at a Citus worker, the one-off commands work on its coordinator.
+        try:
+            url = schema_url(given)
+        except CoordinatorUnknown as exc:
+            print(f"steprecord {args.command}: {exc}", file=sys.stderr)
+            return 1
         if args.command == "token":  # never migrates: see `schema_refusal`
             return asyncio.run(_token(args, url))
         if args.command == "repair":  # nor does a repair

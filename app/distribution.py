@@ -51,9 +51,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
+from psycopg.conninfo import make_conninfo
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
+from app.data import placement
 from app.db import remote_node_failed
 
 # Citus's distributed tables with their distribution column, in the order they are
@@ -146,6 +148,37 @@ def custom_plan_statements() -> list[str]:
 
 def custom_plan(function: str) -> str:
     return f"ALTER FUNCTION {function} SET plan_cache_mode = force_custom_plan"
+
+
+def schema_url(url: str) -> str:
+    """The URL of the node that holds the schema's own tables (`alembic_version`, the tokens):
+    `url` itself, or the Citus coordinator when `url` names a worker. Every node has Citus's
+    metadata, so a worker names its coordinator; `serve` pointed at a worker migrates and
+    keeps its tokens there, and judges and reads on the worker. A database that cannot be
+    reached is left to the caller's own error; a worker that names no coordinator is
+    `CoordinatorUnknown` (nothing is created on it)."""
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            if conn.execute(HAS_CITUS).fetchone() is None:
+                return url
+            row = conn.execute(placement.COORDINATOR).fetchone()
+    except psycopg.OperationalError:
+        return url
+    if row is None:
+        return url
+    host, port = row
+    if host is None:
+        raise CoordinatorUnknown(
+            "this database is on a Citus worker whose metadata names no coordinator, so"
+            " steprecord cannot tell where its schema belongs: run `steprecord migrate`"
+            " against the coordinator (or register it there with"
+            " `SELECT citus_set_coordinator_host('HOST', PORT)`), then try again"
+        )
+    return make_conninfo(url, host=host, port=port)
+
+
+class CoordinatorUnknown(Exception):
+    """Pointed at a Citus worker whose metadata names no coordinator: nothing was done."""
 
 
 def has_citus(connection: Connection) -> bool:

@@ -13,6 +13,7 @@ import psycopg
 from alembic.config import Config
 from alembic.script import ScriptDirectory
 from fastapi import FastAPI
+from psycopg.conninfo import make_conninfo
 
 from app import (
     __version__,
@@ -85,6 +86,26 @@ async def _nodes(
     return nodes
 
 
+async def _schema_pool(primary: Pool, url: str, make_pool: Callable[[str, str], Pool]) -> Pool:
+    """The pool of the node holding the schema's own tables (its revision, the tokens): the
+    primary's, or the Citus coordinator's when the primary is a worker (`serve` pointed at a
+    worker judges and reads there)."""
+    try:
+        async with primary.connection(name="coordinator") as conn:
+            found = await placement.coordinator(conn)
+    except DatabaseUnavailable:
+        return primary
+    if found is None:
+        return primary
+    host, port = found
+    schema = make_pool(make_conninfo(url, host=host, port=port), "coordinator")
+    schema.unreachable = (
+        "the Citus coordinator, which holds the access tokens and the schema's revision,"
+        " cannot be reached"
+    )
+    return schema
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
 
@@ -116,13 +137,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         reads = replica.ReadPool(
             primary, None if read_url is None else pool(read_url.get_secret_value(), "replica")
         )
+        schema = await _schema_pool(primary, primary_url, pool)
         tokens = Tokens(
-            primary,
+            schema,
             insecure_no_auth=settings.insecure_no_auth,
             refresh=settings.token_refresh_seconds,
         )
         app.state.pool, app.state.tokens, app.state.schema_head = primary, tokens, schema_head()
-        app.state.readiness = readiness.Readiness(primary)  # one check per second for /readyz
+        app.state.readiness = readiness.Readiness(schema)  # one check per second for /readyz
         # Every read path takes its connection here: `await app.state.read_pool.run(work)`.
         app.state.read_pool = reads
         app.state.hub, app.state.stream_heartbeat = live.Hub(), settings.stream_heartbeat_seconds
@@ -175,6 +197,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if app.state.nodes is not None:
                 await app.state.nodes.close()
             await primary.close()
+            if schema is not primary:
+                await schema.close()
             if provider is not None:
                 await tracing.stop(provider)
 

@@ -11,12 +11,15 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 from app.data.common import constraint_name
 from app.data.judge import APPLY_EVENT
 from tests.helpers import (
     CitusCluster,
     attempts,
+    create_database,
+    drop_database,
     eventually,
     migrated_database,
     one_key_per_worker,
@@ -25,6 +28,7 @@ from tests.helpers import (
     record,
     rows_on_worker,
     start_server,
+    steprecord,
     stop,
     wait_for,
 )
@@ -311,3 +315,60 @@ def test_the_service_sends_each_instance_s_events_to_the_node_that_holds_it(
         finally:
             stop(proc)
         eventually(lambda: sessions() == [0, 0], what="the service's sessions to end")
+
+
+def test_a_service_pointed_at_a_worker_judges_and_reads_there_with_its_tokens_on_the_coordinator(
+    citus: CitusCluster,
+) -> None:
+    """`serve` with a worker's URL migrates through the coordinator (where the schema's revision
+    and the tokens live: Citus's metadata on the worker names it), then takes every call: the
+    events of instances on both workers, a batch, reads of one instance and across instances,
+    readiness; a token made with the worker's URL is kept on the coordinator and admits."""
+    name = f"steprecord_citus_any_node_{uuid.uuid4().hex[:8]}"
+    create_database(citus.url, name)
+    worker_url = on_node(citus.workers[0].url, name)
+    try:
+        base, proc = start_server(
+            make_conninfo(worker_url, application_name="steprecord-worker-test"),
+            env={"STEPRECORD_SWEEP_SECONDS": "0"},
+        )
+        try:
+            coordinator_url = on_node(citus.url, name)
+            with psycopg.connect(coordinator_url) as conn:
+                assert conn.execute("SELECT version_num FROM alembic_version").fetchone()
+            token = steprecord(worker_url, "token", "create", "w", "--scope", "write")
+            assert token.returncode == 0, token.stderr
+            with psycopg.connect(coordinator_url) as conn:
+                assert conn.execute("SELECT name FROM api_token").fetchall() == [("w",)]
+            keys = one_key_per_worker(coordinator_url, citus)
+            auth = {"Authorization": f"Bearer {token.stdout.strip()}"}
+            with httpx.Client(base_url=base, timeout=30, headers=auth) as client:
+                eventually(
+                    lambda: client.get("/v1/steps").status_code == 200,
+                    what="the service to load the token",
+                )
+                for key in keys:
+                    assert post(client, "start", {"attempt": 1}, key, "s").status_code == 201
+                    done = post(client, "complete", {"attempt": 1, "output": {"k": key}}, key, "s")
+                    assert done.status_code == 200, done.text
+                    assert record(client, key, "s")["output"] == {"k": key}
+                events = [{"instance_key": key, "step_slug": "b", "kind": "start"} for key in keys]
+                answer = client.post("/v1/events", json={"events": events})
+                assert [r["status"] for r in answer.json()["results"]] == [201, 201]
+                listed = client.get("/v1/steps", params={"status": "running"}).json()["items"]
+                assert sorted(i["instance_key"] for i in listed) == sorted(keys)
+                assert client.get("/readyz").status_code == 200
+            with psycopg.connect(worker_url, autocommit=True) as conn:
+                row = conn.execute(WORKER_TEST_SESSIONS).fetchone()
+                assert row is not None
+                assert row[0] > 0  # the service's own sessions there
+        finally:
+            stop(proc)
+    finally:
+        drop_database(citus.url, name)
+
+
+WORKER_TEST_SESSIONS = """
+SELECT count(*) FROM pg_stat_activity
+WHERE datname = current_database() AND application_name = 'steprecord-worker-test'
+"""

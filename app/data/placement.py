@@ -39,6 +39,16 @@ WHERE s.logicalrelid = 'process_instance'::regclass
   AND n.isactive AND n.noderole = 'primary' AND p.shardstate = 1
 """
 
+# When the node asked is a Citus worker, its coordinator (every node has Citus's metadata):
+# where the schema's own tables are, its revision and the tokens. No row on the coordinator
+# or one node; a row without a host on a worker whose metadata names no coordinator yet.
+COORDINATOR = """
+SELECT n.nodename AS host, n.nodeport AS port
+FROM pg_dist_local_group l
+LEFT JOIN pg_dist_node n ON n.groupid = 0 AND n.noderole = 'primary'
+WHERE l.groupid <> 0
+"""
+
 # The shard of each key, in order.
 SHARDS_OF_KEYS = """
 SELECT get_shard_id_for_distribution_column('process_instance', steprecord_instance_id(k))
@@ -72,6 +82,16 @@ async def is_citus(conn: AsyncConn) -> bool:
     if citus is None:
         citus = _CITUS[conn] = await has_citus(conn)
     return citus
+
+
+async def coordinator(conn: AsyncConn) -> tuple[str, int] | None:
+    """The Citus coordinator (host, port) when `conn` is to a worker; None otherwise."""
+    if not await is_citus(conn):
+        return None
+    row = await (await conn.execute(COORDINATOR)).fetchone()
+    if row is None or row["host"] is None:
+        return None
+    return str(row["host"]), int(row["port"])
 
 
 async def shard_nodes(conn: AsyncConn) -> dict[int, tuple[str, int]]:

@@ -101,16 +101,18 @@ async def stream_changes(
     return Changes(instance_id, records, position, since, False, behind or lagging, not lagging)
 
 
-# A Citus coordinator's workers (a server without Citus has no node list).
+# A Citus cluster's workers but the node asked (a server without Citus has no node list):
+# the coordinator's, or a worker's others when the service is pointed at a worker.
 WORKERS = """
 SELECT nodename, nodeport FROM pg_dist_node
 WHERE noderole = 'primary' AND groupid <> 0 AND isactive
+  AND groupid <> (SELECT groupid FROM pg_dist_local_group)
 ORDER BY nodeid
 """
 
 
 async def citus_workers(conn: psycopg.AsyncConnection[Any]) -> list[tuple[str, int]]:
-    """The workers whose shards notify, on a Citus coordinator; none on a server without it."""
+    """The other workers whose shards notify, on a Citus node; none on a server without it."""
     row = await (await conn.execute(placement.HAS_CITUS)).fetchone()
     if not (row and row[0]):
         return []

@@ -61,7 +61,7 @@ def main() -> None:
         raise SystemExit("Citus is not installed here: run ../shared/citus/install first")
     with (
         tempfile.TemporaryDirectory(prefix="steprecord-bench-distribute-") as tmp,
-        citus_cluster(Path(tmp), bin_path) as cluster,
+        citus_cluster(Path(tmp), bin_path, shards=32) as cluster,  # as measured: 32 shards
     ):
         with psycopg.connect(cluster.url, autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{NAME}"')

@@ -232,7 +232,8 @@ def main() -> None:
     bin_path = citus_bin_path()
     if bin_path is None:
         sys.exit("Citus is not installed in any PostgreSQL here")
-    with server_directory() as root, citus_cluster(root, bin_path) as cluster:
+    # 32 shards (Citus's default), as docs/scaling.md shows the plans; `migrate` would make 8.
+    with server_directory() as root, citus_cluster(root, bin_path, shards=32) as cluster:
         url = create_database(cluster.url, "steprecord_plans")
         migrate(url)
         load(url, args.instances)
