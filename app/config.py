@@ -48,9 +48,9 @@ class Settings(BaseSettings):
     # use (0); `none` keeps none, for PgBouncer before 1.21 in transaction mode.
     prepare_threshold: int | None = Field(default=0, ge=0)
     # On Citus: send each instance's events, heartbeats and reads straight to the node holding
-    # it (app/nodes.py), reading the coordinator's shard map every `shard_map_seconds`; off (the
-    # default): every call goes to the coordinator, which delegates it.
-    citus_direct: bool = False
+    # it (app/nodes.py), reading the coordinator's shard map every `shard_map_seconds`; off:
+    # every call goes to the node the database URL names, which delegates it.
+    citus_direct: bool = True
     shard_map_seconds: float = Field(default=10.0, gt=0, le=3600)
     # Anonymous access while no token exists also through a proxy or a public address.
     insecure_no_auth: bool = False

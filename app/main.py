@@ -71,7 +71,7 @@ def known_revisions() -> frozenset[str]:
 async def _nodes(
     settings: Settings, primary: Pool, make_pool: Callable[[str, str], Pool]
 ) -> Nodes | None:
-    """On Citus with `STEPRECORD_CITUS_DIRECT=true`, where each instance lives; None otherwise,
+    """On Citus (unless `STEPRECORD_CITUS_DIRECT=false`), where each instance lives; None otherwise,
     or when the database cannot be asked now (every call goes to the primary)."""
     if not settings.citus_direct:
         return None

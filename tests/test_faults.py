@@ -39,6 +39,10 @@ from tests.helpers import (
 
 STATEMENT_TIMEOUT = 1.0
 BOUNDED = {"STEPRECORD_STATEMENT_TIMEOUT": str(STATEMENT_TIMEOUT)}
+# The service's sessions are watched, and the faults made, on the node its URL names: on a
+# Citus cluster each service here stays on that node (no shard map, so no calls straight to
+# the workers). A worker's faults under the shard map are tests/test_citus_faults.py's.
+ON_THE_NODE_GIVEN = {"STEPRECORD_CITUS_DIRECT": "false"}
 # The pool gives up on a statement whose cancel the server does not answer after 0.5 s more.
 WITHIN_BOUND = STATEMENT_TIMEOUT + 0.5 + 0.4
 needs_pgbouncer = pytest.mark.skipif(
@@ -74,7 +78,7 @@ def sessions(watcher: Watcher, application_name: str) -> dict[int, str | None]:
 def serving(
     database_url: str, *extra: str, env: dict[str, str], stdout: Any = None
 ) -> Iterator[str]:
-    url, proc = start_server(database_url, *extra, env=env, stdout=stdout)
+    url, proc = start_server(database_url, *extra, env=ON_THE_NODE_GIVEN | env, stdout=stdout)
     try:
         yield url
     finally:
@@ -373,7 +377,7 @@ def test_database_that_stops_answering_mid_session_gets_503_within_2_seconds_and
 ) -> None:
     key = "hung-" + uuid.uuid4().hex[:8]
     with FreezableProxy(upstream(own_database)) as proxy:
-        url, proc = start_server(proxy.url(own_database), env=BOUNDED)
+        url, proc = start_server(proxy.url(own_database), env=BOUNDED | ON_THE_NODE_GIVEN)
         try:
             with httpx.Client(base_url=url, timeout=30) as client:
                 assert client.post(f"/v1/instances/{key}/steps/a/start").status_code == 201
