@@ -1,4 +1,5 @@
-"""The `steprecord` command: `serve`, `migrate`, `prune`, `token` and `openapi`."""
+"""The `steprecord` command: `serve`, `migrate`, `grant`, `prune`, `token`, `repair` and
+`openapi`."""
 
 import argparse
 import asyncio
@@ -23,6 +24,7 @@ import uvicorn
 from alembic import command
 from psycopg.rows import dict_row
 from pydantic import AliasChoices, ValidationError
+from sqlalchemy.exc import DBAPIError
 from uvicorn.supervisors import Multiprocess
 
 from app import __version__, domain, pruning
@@ -30,7 +32,7 @@ from app import main as wiring
 from app.access import SCOPES, new_token
 from app.bodies import parse_reopen
 from app.config import Settings, is_loopback, parse_duration, redact
-from app.data import repairs, retention, revision, tokens
+from app.data import repairs, retention, revision, roles, tokens
 from app.db import AsyncConn
 from app.distribution import CoordinatorUnknown, WorkerUnreachable, schema_url
 from app.embedded import EmbeddedPostgres
@@ -50,7 +52,22 @@ def migrate(database_url: str) -> None:
     """Upgrade the database at `database_url` to the migration head."""
     config = alembic_config()
     config.attributes["database_url"] = database_url
-    command.upgrade(config, "head")
+    try:
+        command.upgrade(config, "head")
+    except DBAPIError as exc:
+        if isinstance(exc.orig, psycopg.errors.InsufficientPrivilege):
+            raise NotOwner(
+                f"this role may not change the schema ({exc.orig.diag.message_primary}): the"
+                " schema is not at this release's head, and only the database's owner"
+                " migrates it. Run `steprecord migrate` with DATABASE_URL naming the owner,"
+                " then start again"
+            ) from exc
+        raise
+
+
+class NotOwner(Exception):
+    """A migration needed a right of the database's owner that the role lacks (a runtime
+    role, `steprecord grant`): the text says what to do."""
 
 
 @contextmanager
@@ -129,7 +146,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
             try:
                 schema = schema_url(url)  # the coordinator, when `url` names a Citus worker
                 migrate(schema)
-            except (WorkerUnreachable, CoordinatorUnknown) as exc:
+            except (WorkerUnreachable, CoordinatorUnknown, NotOwner) as exc:
                 print(f"steprecord serve did not start: {exc}", file=sys.stderr)
                 return 1
             public = not is_loopback(args.host) and not args.insecure_no_auth
@@ -587,6 +604,39 @@ async def _repair(args: argparse.Namespace, url: str) -> int:
     return 0
 
 
+async def _grant(args: argparse.Namespace, url: str) -> int:
+    async with await psycopg.AsyncConnection.connect(
+        url, autocommit=True, row_factory=dict_row
+    ) as conn:
+        try:
+            refusal = await schema_refusal(conn, "grant")
+            if refusal is not None:
+                print(refusal, file=sys.stderr)
+                return 1
+            await roles.grant(conn, args.role)
+        except psycopg.errors.UndefinedObject:
+            print(
+                f"steprecord grant: there is no role {args.role!r}: an administrator creates it"
+                f" first (CREATE ROLE {args.role} LOGIN PASSWORD '...'), then run this again",
+                file=sys.stderr,
+            )
+            return 1
+        except psycopg.errors.InsufficientPrivilege as exc:
+            print(
+                f"steprecord grant: {exc.diag.message_primary}: run it with DATABASE_URL naming"
+                " the database's owner (the role that ran `steprecord migrate`)",
+                file=sys.stderr,
+            )
+            return 1
+    print(
+        f"granted {args.role!r} what the service needs: it reads every table and writes the"
+        " records only through the judge's functions; serve with DATABASE_URL naming it, and"
+        " run this again after each upgrade",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="steprecord", description=__doc__)
     parser.add_argument("--version", action="version", version=f"steprecord {__version__}")
@@ -617,6 +667,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub.add_parser("migrate", help="upgrade the database to the migration head")
     sub.add_parser("openapi", help="print the OpenAPI document")
+    p_grant = sub.add_parser(
+        "grant",
+        help="let a role run the service: read, and write only through the judge",
+        description="Grant ROLE what `serve` needs and nothing more: it reads every table and"
+        " writes the records only through the judge's functions. Run it as the database's"
+        " owner, after `steprecord migrate` (and again after each upgrade); the role must"
+        " exist.",
+    )
+    p_grant.add_argument("role")
     p_token = sub.add_parser("token", help="create, list or revoke access tokens")
     actions = p_token.add_subparsers(dest="action", required=True)
     p_create = actions.add_parser("create", help="print a new token (once) and store its hash")
@@ -726,10 +785,15 @@ def run(args: argparse.Namespace, p_prune: argparse.ArgumentParser) -> int:
             return asyncio.run(_token(args, url))
         if args.command == "repair":  # nor does a repair
             return asyncio.run(_repair(args, url))
+        if args.command == "grant":
+            return asyncio.run(_grant(args, url))
         try:
             migrate(url)
         except WorkerUnreachable as exc:
             print(f"steprecord migrate {exc}", file=sys.stderr)
+            return 1
+        except NotOwner as exc:
+            print(f"steprecord migrate: {exc}", file=sys.stderr)
             return 1
         print(f"database {redact(url)} is at the migration head", file=sys.stderr)
     return 0

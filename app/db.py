@@ -86,6 +86,13 @@ def remote_node_failed(exc: psycopg.Error) -> bool:
     return (exc.sqlstate or "").startswith("08") and message.startswith(REMOTE_NODE_FAILED)
 
 
+# A role the service runs as that misses a right it needs (a release whose migrations added a
+# function, before the grant was run again).
+MISSING_RIGHT = (
+    "the service's database role lacks a right this request needs: the operator runs"
+    " `steprecord grant ROLE` as the database's owner"
+)
+
 NODE_UNREACHABLE = "a database node holding this data (a Citus worker) cannot be reached"
 
 
@@ -264,6 +271,8 @@ class Pool:
                 raise DatabaseUnavailable(str(exc), public_reason(exc)) from exc
             except psycopg.errors.ReadOnlySqlTransaction as exc:  # a standby, until promoted
                 raise DatabaseUnavailable(str(exc), public_reason(exc)) from exc
+            except psycopg.errors.InsufficientPrivilege as exc:  # a right not granted yet
+                raise DatabaseUnavailable(str(exc), MISSING_RIGHT) from exc
             except psycopg.Error:
                 # Any other error of the database that no caller handled (the data modules
                 # handle the refusals they expect): the session may keep a state that the next

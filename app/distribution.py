@@ -34,9 +34,10 @@ names it (the migration's transaction rolled back):
    `ck_process_instance_id_derived` (id = steprecord_instance_id(instance_key)) hold it.
 4. `steprecord_apply_event` becomes a distributed function whose distribution argument is
    `p_instance_id`, co-located with `process_instance`: the coordinator sends the whole call
-   to the worker that holds the instance; so do `steprecord_reopen` (an operator's repair)
-   and `steprecord_stream_changes` (a stream's read, whose snapshot and transaction ids must
-   be that worker's). (`steprecord_apply_events_on_shard`, which revisions 0023 to 0029 had,
+   to the worker that holds the instance; so do `steprecord_reopen` (an operator's repair),
+   `steprecord_stream_changes` (a stream's read, whose snapshot and transaction ids must
+   be that worker's) and `steprecord_sweep_instance` (the sweeper's write of one
+   instance). (`steprecord_apply_events_on_shard`, which revisions 0023 to 0029 had,
    is delegated too when a downgrade brings it back.)
 5. The judge's functions whose statements join distributed tables plan each statement with
    its values (`force_custom_plan`): Citus routes such a statement to one shard only when it
@@ -71,18 +72,22 @@ DISTRIBUTED_TABLES = (
 # were), and each is delegated once it is there and takes `p_instance_id`. The one-event
 # judge; the general statement on one worker's shards (before revision 0030); an operator's
 # reopen (app/sql/reopen.sql); a stream's read, whose snapshot and transaction ids are the
-# worker's.
+# worker's; the sweeper's write of one instance (app/sql/sweeper.sql).
 DELEGATED_FUNCTIONS = (
     "steprecord_apply_event",
     "steprecord_apply_events_on_shard",
     "steprecord_reopen",
     "steprecord_stream_changes",
+    "steprecord_sweep_instance",
 )
 CUSTOM_PLANS = (
     "steprecord_reopen",
     "steprecord_apply_events",
     "steprecord_heartbeat",
     "steprecord_list_page",
+    "steprecord_delete_instance",
+    "steprecord_prune_due",
+    "steprecord_prune_delete",
 )
 
 HAS_CITUS = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"

@@ -555,6 +555,22 @@ def owned_database(server_dsn: str, prefix: str) -> Iterator[str]:
                 conn.execute(f"DROP ROLE IF EXISTS {name}")
 
 
+@contextmanager
+def login_role(server_dsn: str, prefix: str) -> Iterator[str]:
+    """A role of a test's own that may log in and holds no right of its own (made by the
+    server's administrator, as a managed PostgreSQL's admin would; on Citus, on every node),
+    dropped afterwards: drop the databases that granted it something first."""
+    name = prefix + uuid.uuid4().hex[:8]
+    with psycopg.connect(server_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {name} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE")
+    try:
+        yield name
+    finally:
+        for dsn in (server_dsn, *citus_workers(server_dsn)):
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute(f"DROP ROLE IF EXISTS {name}")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

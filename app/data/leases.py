@@ -9,35 +9,10 @@ WHERE r.status = 'running' AND r.lease_expires_at IS NOT NULL AND r.lease_expire
 LIMIT %(limit)s
 """
 
-# The sweep of one instance: fail each of its running attempts whose lease expired, as a
-# `fail` event of that attempt would (error `lease_expired`, `completed_at` = the expiry), in
-# one statement, its own transaction. One instance's rows live together (on Citus, on one
-# worker), so the statement writes one node: a transaction that wrote two Citus workers would
-# commit in two phases, which PostgreSQL refuses to a transaction that notified, as every
-# write of a record does. SKIP LOCKED lets several sweepers (workers, service instances) run
-# at once without ever writing the same record twice, and FOR UPDATE re-checks the lease on
-# the newest row version, so a heartbeat that committed first keeps its attempt alive. The
-# clock is the statement's `now()`: Citus refuses volatile functions in a distributed write.
-# The writer is `sweeper` (the record's updated_by, and the failed attempt's reported_by).
-SWEEP_INSTANCE = """
-WITH due AS (
-    SELECT r.id FROM workflow_step_record r
-    WHERE r.instance_id = %(instance_id)s AND r.status = 'running'
-      AND r.lease_expires_at IS NOT NULL AND r.lease_expires_at < now()
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE workflow_step_record r SET
-    status = 'failed',
-    completed_at = GREATEST(r.lease_expires_at, r.started_at),
-    error_code = 'lease_expired',
-    error_message = 'no heartbeat, complete or fail arrived before the lease expired',
-    lease_expires_at = NULL,
-    updated_at = now(),
-    updated_by = 'sweeper'
-FROM due
-WHERE r.instance_id = %(instance_id)s AND r.id = due.id
-RETURNING r.id
-"""
+# The sweep of one instance, its own transaction: `steprecord_sweep_instance` (app/sql/
+# sweeper.sql) fails its running attempts whose lease expired; on Citus the call goes to the
+# worker that holds the instance.
+SWEEP_INSTANCE = "SELECT steprecord_sweep_instance(%(instance_id)s) AS swept"
 SWEEP_BATCH = 500
 
 
@@ -51,7 +26,8 @@ async def sweep_expired(conn: AsyncConn) -> int:
         this_round = 0
         for instance_id in due:
             cur = await conn.execute(SWEEP_INSTANCE, {"instance_id": instance_id})
-            this_round += cur.rowcount
+            row = await cur.fetchone()
+            this_round += row["swept"] if row is not None else 0
         swept += this_round
         # Fewer instances than a batch: none left; nothing swept: the rest is another
         # sweeper's (locked), which sweeps it.

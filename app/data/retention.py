@@ -10,52 +10,21 @@ from datetime import datetime
 from typing import Any
 
 from app.data.common import RECORD
-from app.data.reads import ATTEMPT, THE_INSTANCE
+from app.data.reads import ATTEMPT
 from app.db import AsyncConn
 from app.domain import InstanceNotFound
 
-# Lock, then judge: two statements in one transaction. The first locks the instance (FOR
-# UPDATE: a writer creating a step of it waits from then on, and then finds it gone); the
-# second, whose snapshot is taken after that lock was granted, sees every step committed
-# before it, also one created by a writer that held the instance's lock while the first
-# waited (one statement that locked and judged would judge on its own older snapshot, miss
-# that step, and then fail on it, or delete it unjudged). The second locks the records too (in
-# id order: a writer updating one finishes first, and the check of what is running reads the
-# newest versions). Without `force` an instance with a running step stays; with it, it goes
-# regardless.
-#
-# On Citus each statement names the instance's id, so it runs on the one worker that holds the
-# instance. The notification is a statement of its own, after the deletion: it runs on the
-# node the service listens on (inside a statement routed to a worker, it would be sent there).
-LOCK_INSTANCE = f"""
-SELECT p.id FROM process_instance p WHERE {THE_INSTANCE} FOR UPDATE
+# Lock, then judge, then delete: `steprecord_delete_instance` (app/sql/deletion.sql). The
+# notification is a statement of its own, after it in the same transaction: it runs on the
+# node the service listens on (inside a statement routed to a Citus worker, it would be sent
+# there).
+DELETE_INSTANCE = """
+SELECT * FROM steprecord_delete_instance(
+    steprecord_instance_id(%(instance_key)s), %(instance_key)s, %(force)s, %(erase_repairs)s)
 """
-DELETE_LOCKED = """
-WITH records AS (
-    SELECT r.status FROM workflow_step_record r WHERE r.instance_id = %(id)s
-    ORDER BY r.id
-    FOR UPDATE OF r
-),
-repairs AS (
-    SELECT count(*) AS n FROM workflow_step_repair WHERE instance_id = %(id)s
-),
-allowed AS (
-    SELECT WHERE (%(force)s OR NOT EXISTS (SELECT 1 FROM records WHERE status = 'running'))
-             AND (%(erase_repairs)s OR (SELECT n FROM repairs) = 0)
-),
-gone_records AS (
-    DELETE FROM workflow_step_record r
-    WHERE r.instance_id = %(id)s AND EXISTS (SELECT FROM allowed)
-),
-gone AS (
-    DELETE FROM process_instance p
-    WHERE p.id = %(id)s AND EXISTS (SELECT FROM allowed) RETURNING p.id
+TELL_DELETED = (
+    "SELECT pg_notify('steprecord_changes', steprecord_instance_id(%(instance_key)s)::text)"
 )
-SELECT (SELECT count(*) FROM records WHERE status = 'running') AS running,
-       (SELECT n FROM repairs) AS repairs,
-       (SELECT count(*) FROM gone) AS deleted
-"""
-TELL_DELETED = "SELECT pg_notify('steprecord_changes', %(id)s::bigint::text)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,17 +44,15 @@ async def delete_instance(
     log holds the instance's key share (the log's foreign key) until it commits, so the lock
     waits for it, and the judgement sees its repair."""
     async with conn.transaction():
-        cur = await conn.execute(LOCK_INSTANCE, {"instance_key": instance_key})
-        locked = await cur.fetchone()
-        if locked is None:
-            raise InstanceNotFound(instance_key)
         cur = await conn.execute(
-            DELETE_LOCKED, {"id": locked["id"], "force": force, "erase_repairs": erase_repairs}
+            DELETE_INSTANCE,
+            {"instance_key": instance_key, "force": force, "erase_repairs": erase_repairs},
         )
         row = await cur.fetchone()
-        assert row is not None
+        if row is None or not row["present"]:
+            raise InstanceNotFound(instance_key)
         if row["deleted"] > 0:
-            await conn.execute(TELL_DELETED, {"id": locked["id"]})
+            await conn.execute(TELL_DELETED, {"instance_key": instance_key})
     return Deletion(
         deleted=row["deleted"] > 0, running=int(row["running"]), repairs=int(row["repairs"])
     )
@@ -102,30 +69,15 @@ ORDER BY p.created_at, p.id
 LIMIT %(limit)s
 """
 
-# A batch: lock, then judge, each instance in a statement of its own naming its id (on Citus,
-# so, on the one worker that holds it: Citus locks rows only in a statement routed to one
-# shard), sent together in one pipeline. `LOCK_ONE` locks the instances (in id order; a writer
-# creating a step of one waits from then on). Every `DUE_ONE` comes after all the locks were
-# granted, so its snapshot sees every step committed before, also one created by a writer
-# that held an instance's lock while `LOCK_ONE` waited for it (a statement that locked and
-# judged at once would judge on its own older snapshot and delete that step unjudged). It
-# locks the instance's records too, in id order (a writer updating one finishes first, and the
-# check reads the newest versions). An instance goes when its last write (its records'
-# greatest updated_at, else its own created_at) is before the cutoff, and, unless unfinished
-# ones are included, none of its records is pending or running. So an instance written after
-# the cutoff stays, even when it was selected as a candidate before that write.
-LOCK_ONE = "SELECT p.id FROM process_instance p WHERE p.id = %(id)s FOR UPDATE"
+# A batch: lock, then judge, each instance in a call of its own naming its id (on Citus, so,
+# on the one worker that holds it: Citus locks rows only in a statement routed to one shard),
+# sent together in one pipeline: every `LOCK_ONE` first (in id order), then every `DUE_ONE`,
+# whose snapshot so sees every step committed before the locks were granted; see
+# app/sql/deletion.sql for the rule.
+LOCK_ONE = "SELECT steprecord_prune_lock(%(id)s)"
 DUE_ONE = """
-WITH records AS (
-    SELECT r.updated_at, r.status FROM workflow_step_record r WHERE r.instance_id = %(id)s
-    ORDER BY r.id
-    FOR UPDATE
-)
-SELECT p.id, p.instance_key, p.created_at FROM process_instance p
-WHERE p.id = %(id)s
-  AND COALESCE((SELECT max(r.updated_at) FROM records r), p.created_at) < %(cutoff)s
-  AND (%(include_unfinished)s
-       OR NOT EXISTS (SELECT 1 FROM records r WHERE r.status IN ('pending', 'running')))
+SELECT id, instance_key, created_at, records, attempts
+FROM steprecord_prune_due(%(id)s, %(cutoff)s, %(include_unfinished)s)
 """
 ARCHIVED_RECORDS = f"""
 SELECT r.instance_id, {RECORD.format(r="r")} FROM workflow_step_record r
@@ -143,16 +95,7 @@ FROM workflow_step_repair x
 WHERE x.instance_id = ANY(%(ids)s)
 ORDER BY x.instance_id, x.at DESC, x.id DESC
 """
-COUNTS = """
-SELECT (SELECT count(*) FROM workflow_step_record WHERE instance_id = ANY(%(ids)s)) AS records,
-       (SELECT count(*) FROM workflow_step_attempt WHERE instance_id = ANY(%(ids)s)) AS attempts
-"""
-DELETE_DUE = """
-WITH gone_records AS (
-    DELETE FROM workflow_step_record WHERE instance_id = ANY(%(ids)s)
-)
-DELETE FROM process_instance WHERE id = ANY(%(ids)s)
-"""
+DELETE_DUE = "SELECT steprecord_prune_delete(%(ids)s)"
 # One pruner at a time across workers and service instances: each batch's transaction takes
 # this lock or skips the round.
 PRUNE_LOCK = "SELECT pg_try_advisory_xact_lock(hashtext('steprecord'), hashtext('prune')) AS got"
@@ -215,12 +158,18 @@ async def lock_due(
         while cur.nextset():
             due += await cur.fetchall()
     due_ids = [row["id"] for row in due]
-    cur = await conn.execute(COUNTS, {"ids": due_ids})
-    counts = await cur.fetchone()
-    assert counts is not None
     instances: list[dict[str, Any]] = []
     if with_contents and due_ids:
-        by_id = {row["id"]: {**row, "records": [], "repairs": []} for row in due}
+        by_id = {
+            row["id"]: {
+                "id": row["id"],
+                "instance_key": row["instance_key"],
+                "created_at": row["created_at"],
+                "records": [],
+                "repairs": [],
+            }
+            for row in due
+        }
         records: dict[int, dict[str, Any]] = {}
         cur = await conn.execute(ARCHIVED_RECORDS, {"ids": due_ids})
         for record in await cur.fetchall():
@@ -236,7 +185,9 @@ async def lock_due(
         for repair in await cur.fetchall():
             by_id[repair.pop("instance_id")]["repairs"].append(repair)
         instances = list(by_id.values())
-    return Due(instances, due_ids, int(counts["records"]), int(counts["attempts"]))
+    records_due = sum(int(row["records"]) for row in due)
+    attempts_due = sum(int(row["attempts"]) for row in due)
+    return Due(instances, due_ids, records_due, attempts_due)
 
 
 async def delete_due(conn: AsyncConn, ids: list[int]) -> None:

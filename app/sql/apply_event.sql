@@ -59,6 +59,7 @@ CREATE OR REPLACE FUNCTION steprecord_apply_event(
     created_at timestamptz, updated_at timestamptz, updated_by text
 )
 LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, public, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $fn$
 #variable_conflict use_column
@@ -272,3 +273,6 @@ BEGIN
     PERFORM set_config('steprecord.trace_id', coalesce(v_trace, ''), true);
 END
 $fn$;
+
+-- Called by the owner and the roles it granted (owner_rights.sql).
+REVOKE ALL ON FUNCTION steprecord_apply_event FROM PUBLIC;

@@ -30,6 +30,7 @@ RETURNS TABLE (
     created_at timestamptz, updated_at timestamptz, updated_by text
 )
 LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, public, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $fn$
 #variable_conflict use_column
@@ -100,3 +101,6 @@ BEGIN
     WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.i = e.i);
 END
 $fn$;
+
+-- Called by the owner and the roles it granted (owner_rights.sql).
+REVOKE ALL ON FUNCTION steprecord_heartbeat FROM PUBLIC;

@@ -40,6 +40,7 @@ CREATE OR REPLACE FUNCTION steprecord_reopen(
     repair_id bigint, repair_at timestamptz
 )
 LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, public, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $fn$
 #variable_conflict use_column
@@ -123,3 +124,6 @@ BEGIN
         r.created_at, r.updated_at, r.updated_by, v_repair_id, v_now;
 END
 $fn$;
+
+-- Called by the owner and the roles it granted (owner_rights.sql).
+REVOKE ALL ON FUNCTION steprecord_reopen FROM PUBLIC;
