@@ -1,4 +1,4 @@
-"""steprecord_client.airflow: the Airflow 3 plugin (contract §26, docs/airflow.md).
+"""steprecord_client.airflow: the Airflow 3 plugin (docs/airflow.md).
 
 Two parts:
 

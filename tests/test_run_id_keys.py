@@ -1,6 +1,6 @@
-"""Instance keys take Airflow's run ids as they are: `+` and `~` besides the name alphabet
-(contract §1, §26), on every route, in batches, pages, cursors, streams and the dashboard, sent
-percent-encoded or not. Step slugs and other names keep their alphabet."""
+"""Instance keys take Airflow's run ids as they are: `+` and `~` besides the name alphabet,
+on every route, in batches, pages, cursors, streams and the dashboard, sent percent-encoded or
+not. Step slugs and other names keep their alphabet."""
 
 from typing import Any
 from urllib.parse import quote

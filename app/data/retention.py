@@ -2,7 +2,8 @@
 written before a cutoff (`steprecord prune`, `STEPRECORD_RETENTION`).
 
 An instance goes with its records, in the same statement, and their history and its repair
-log follow them by `ON DELETE CASCADE`.
+log follow them by `ON DELETE CASCADE`; the writes are functions that run with their owner's
+rights (app/sql/deletion.sql), so that a runtime role deletes only through them.
 """
 
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ class Deletion:
 async def delete_instance(
     conn: AsyncConn, instance_key: str, *, force: bool, erase_repairs: bool
 ) -> Deletion:
-    """Lock the instance, then judge and delete it (see `LOCK_INSTANCE`). Its repair log goes
+    """Lock the instance, then judge and delete it (see `DELETE_INSTANCE`). Its repair log goes
     with it, so an instance with repairs goes only with `erase_repairs`. A reopen writing the
     log holds the instance's key share (the log's foreign key) until it commits, so the lock
     waits for it, and the judgement sees its repair."""

@@ -145,7 +145,7 @@ DECLARE
     why text;
     late_report boolean := pg_trigger_depth() < 2
         AND current_setting('steprecord.writer', true) = 'judge'
-        AND steprecord_by_owner(TG_RELID)
+        AND steprecord_by_owner()
         AND TG_OP IN ('INSERT', 'UPDATE') AND NEW.status IN ('completed', 'failed');
 BEGIN
     IF late_report THEN

@@ -17,17 +17,21 @@
 -- The guards (record_guard.sql, attempt_history.sql, repair_log.sql) let the judge or a
 -- repair write what no one else may (a late report's history entry, a reopen, a repair log
 -- entry) when the transaction says so in `steprecord.writer`, a setting any session can
--- change. They trust it only from a role that holds the table owner's rights (the owner, a
+-- change. They trust it only from a role that holds the schema owner's rights (the owner, a
 -- member of it, a superuser): the definer functions above, and the owner's own hand-written
 -- repairs (audited as any other). A role granted write rights on a table later still cannot
 -- pass for the judge.
 
 -- Whether the current role (inside a definer function: the function's owner) holds the
--- rights of the owner of the table `p_table` (a trigger's TG_RELID: on Citus, the shard's,
--- which its distributed table's owner owns).
-CREATE OR REPLACE FUNCTION steprecord_by_owner(p_table oid) RETURNS boolean
+-- rights of the schema's owner: the role that migrated it, which owns its functions, this one
+-- among them, and its tables (on Citus their shards too). Asked of this function's owner, not
+-- of a trigger's table: Citus hides a worker's shards from pg_class in a client's session, so
+-- a guard running on a shard would not find its own table there.
+CREATE OR REPLACE FUNCTION steprecord_by_owner() RETURNS boolean
 LANGUAGE sql STABLE
 AS $fn$
-    SELECT coalesce((SELECT pg_has_role(current_user, c.relowner, 'USAGE')
-                     FROM pg_catalog.pg_class c WHERE c.oid = p_table), false)
+    SELECT coalesce((SELECT pg_has_role(current_user, p.proowner, 'USAGE')
+                     FROM pg_catalog.pg_proc p
+                     WHERE p.oid = 'public.steprecord_by_owner()'::pg_catalog.regprocedure),
+                    false)
 $fn$;

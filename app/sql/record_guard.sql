@@ -32,7 +32,7 @@ BEGIN
           AND NOT (OLD.status IN ('completed', 'failed')
                    AND NEW.attempt_count = OLD.attempt_count + 1
                    AND current_setting('steprecord.writer', true) IS NOT DISTINCT FROM 'repair'
-                   AND steprecord_by_owner(TG_RELID))
+                   AND steprecord_by_owner())
           THEN
         why := 'only steprecord_reopen takes a record back to pending, from finished, at'
                ' the next attempt';

@@ -21,7 +21,7 @@ BEGIN
     ELSIF TG_OP = 'INSERT'
           AND (pg_trigger_depth() >= 2
                OR current_setting('steprecord.writer', true) IS DISTINCT FROM 'repair'
-               OR NOT steprecord_by_owner(TG_RELID)
+               OR NOT steprecord_by_owner()
                OR NOT EXISTS (SELECT 1 FROM workflow_step_record r
                               WHERE r.instance_id = NEW.instance_id AND r.id = NEW.record_id
                                 AND r.status = 'pending'

@@ -7,7 +7,7 @@ DROP FUNCTION steprecord_delete_instance(p_instance_id bigint, p_instance_key te
 DROP FUNCTION steprecord_prune_lock(p_instance_id bigint);
 DROP FUNCTION steprecord_prune_due(p_instance_id bigint, p_cutoff timestamptz, p_include_unfinished boolean);
 DROP FUNCTION steprecord_prune_delete(p_ids bigint[]);
-DROP FUNCTION steprecord_by_owner(p_table oid);
+DROP FUNCTION steprecord_by_owner();
 DROP FUNCTION steprecord_sweep_instance(p_instance_id bigint);
 
 -- ===== app/sql/apply_event.sql as of revision 0033 =====

@@ -13,7 +13,7 @@ Now every write the service makes is a call of a function that runs with its own
 deletion of an instance and pruning's three steps become functions (`sweeper.sql`,
 `deletion.sql`) doing what their statements did. A runtime role granted SELECT and EXECUTE
 (`steprecord grant ROLE`) serves every route and holds no write right. The guards trust
-`steprecord.writer` only from a role that holds the table owner's rights
+`steprecord.writer` only from a role that holds the schema owner's rights
 (`steprecord_by_owner`, `owner_rights.sql`): a role later granted write rights on a table
 still cannot pass for the judge; the owner's own repairs by hand are audited as before.
 
