@@ -37,7 +37,7 @@ import httpx
 import pytest
 from steprecord_client import airflow as plugin
 
-from tests.helpers import start_server, stop, wait_for
+from tests.helpers import eventually, free_port, start_server, stop, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DAGS = Path(__file__).resolve().parent / "airflow_dags"
@@ -624,15 +624,6 @@ def test_a_task_process_killed_with_kill_9_ends_failed_within_its_lease(
 # --------------------------------------------------------------------------- airflow standalone
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def processes_of(home: Path) -> list[int]:
     """The processes whose environment names this Airflow home: every one of a standalone
     Airflow (scheduler, its LocalExecutor workers and their task processes, the API server,
@@ -752,20 +743,27 @@ def test_airflow_standalone_with_local_executor_records_every_try_and_a_killed_o
             return body["state"] if body["state"] in ("success", "failed") else None
 
         assert wait_for("the dag run's end", finished, seconds=120) == "failed"
-        time.sleep(3)  # the scheduler's last reports (close_after_seconds is 2)
-        recorded = {}
-        for step in client.get(path_of(key) + "/steps", params={"limit": 1000}).json()["items"]:
-            slug = step["step_slug"]
-            items = client.get(path_of(key, slug) + "/attempts").json()["items"]
-            recorded[slug] = [(a["attempt"], a["status"]) for a in items]
+        _, tries = airflow_tries(airflow_home, "standalone_run")
+        expected = {
+            slug: [(number, AS_RECORDED[state]) for number, state in found]
+            for slug, found in tries.items()
+        }
+
+        def recorded() -> dict[str, list[tuple[int, str]]]:
+            found = {}
+            steps = client.get(path_of(key) + "/steps", params={"limit": 1000}).json()["items"]
+            for step in steps:
+                slug = step["step_slug"]
+                items = client.get(path_of(key, slug) + "/attempts").json()["items"]
+                found[slug] = [(a["attempt"], a["status"]) for a in items]
+            return found
+
+        # The scheduler's last reports (close_after_seconds is 2) may land after the run's end.
+        with contextlib.suppress(AssertionError):
+            eventually(lambda: recorded() == expected, interval=0.5, what="the same tries")
+        assert recorded() == expected
     assert final["error_code"] in ("lease_expired", "dag_run_ended"), final
     assert took < 10 + 5, took
-    _, tries = airflow_tries(airflow_home, "standalone_run")
-    expected = {
-        slug: [(number, AS_RECORDED[state]) for number, state in found]
-        for slug, found in tries.items()
-    }
-    assert recorded == expected
     assert expected["flaky"] == [(1, "failed"), (2, "completed")]
     assert expected["wait"] == [(1, "completed")]
     assert expected["sleeper"] == [(1, "failed")]

@@ -374,7 +374,7 @@ def test_a_sweep_skips_a_record_held_by_a_heartbeat_in_flight(
             (row[0],),
         )
         sweep = (leases.SWEEP_INSTANCE, {"instance_id": row[0]})
-        assert sweeper.execute(*sweep).rowcount == 0
+        assert sweeper.execute(*sweep).fetchone() == (0,)
         holder.commit()
-        assert sweeper.execute(*sweep).rowcount == 0
+        assert sweeper.execute(*sweep).fetchone() == (0,)
     assert record(unswept, key, "racing")["status"] == "running"

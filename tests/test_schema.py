@@ -414,11 +414,17 @@ def test_migrations_upgrade_downgrade_and_upgrade_again(scratch_database: str) -
     assert _functions(scratch_database) == {
         "steprecord_apply_event",
         "steprecord_apply_events",
+        "steprecord_by_owner",
+        "steprecord_delete_instance",
         "steprecord_heartbeat",
         "steprecord_instance_id",
         "steprecord_list_page",
+        "steprecord_prune_delete",
+        "steprecord_prune_due",
+        "steprecord_prune_lock",
         "steprecord_reopen",
         "steprecord_stream_changes",
+        "steprecord_sweep_instance",
     }
     config = alembic_config()
     config.attributes["database_url"] = scratch_database
