@@ -33,6 +33,7 @@ from tests.helpers import (
     drop_database,
     one_shard,
     post,
+    screenshot,
     start_server,
     stop,
 )
@@ -782,5 +783,32 @@ def test_with_a_token_the_browser_gets_in_only_after_entering_a_read_token(
         expect(page.locator("#live")).to_have_text("live", timeout=10_000)
         page.click("text=Log out")
         expect(page.locator("input[name=token]")).to_be_visible()
+    finally:
+        context.close()
+
+
+@pytest.mark.parametrize("width", [1400, 700])
+def test_the_log_out_button_sits_on_the_navigation_s_line(
+    browser: Browser, guarded: tuple[str, str, str], width: int
+) -> None:
+    url, read, _ = guarded
+    context = browser.new_context(base_url=url, viewport={"width": width, "height": 600})
+    try:
+        page = context.new_page()
+        page.goto("/ui/stats")
+        page.fill("input[name=token]", read)
+        page.click("button[type=submit]")
+        expect(page.locator("h1")).to_have_text("Statistics")
+        button = page.locator("header button", has_text="Log out").bounding_box()
+        link = page.locator("header nav a", has_text="Statistics").bounding_box()
+        header = page.locator("header").bounding_box()
+        assert button is not None
+        assert link is not None
+        assert header is not None
+        middle = abs(button["y"] + button["height"] / 2 - (link["y"] + link["height"] / 2))
+        assert middle <= 1.5, (button, link)
+        assert button["x"] + button["width"] <= width - 8  # inside the bar, at its end
+        assert header["height"] < 60  # one line
+        screenshot(page, f"signed-in-header-{width}", full_page=False)
     finally:
         context.close()
