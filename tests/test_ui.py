@@ -300,7 +300,7 @@ def test_a_failed_step_s_reason_is_a_traceback_s_exception_line_or_a_message_s_f
     assert "Traceback (most recent" not in page
 
     failing = unescape(html(client, "/ui/failing"))
-    hints = re.findall(r'<div class="hint">(.*?)</div>', failing)
+    hints = re.findall(r'<span class="hint">(.*?)</span>', failing)
     assert sorted(hints) == ["KeyError: 'sku-9'", "no carrier for the zone"]
 
 

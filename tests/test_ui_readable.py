@@ -100,7 +100,7 @@ def test_failing_now_is_ordered_by_failure_time_not_write_time(client: httpx.Cli
     attempt(client, "o-3", "charge", 1, at(minutes=1), at(minutes=10), "Middle")
     for path in ("/ui/failing", "/ui/failing?step=charge"):
         page = html(client, path)
-        order = re.findall(r"<td>(Early|Latest|Middle)", page)
+        order = re.findall(r"<code>(Early|Latest|Middle)</code>", page)
         assert order == ["Latest", "Middle", "Early"], (path, order)
 
 
@@ -148,7 +148,7 @@ def test_a_lease_less_step_running_too_long_is_flagged_on_its_instance_page(
     page = unescape(html(client, f"/ui/instances/{ROOT_ID}"))
     rows = dict(re.findall(r'<tr data-step="([^"]+)"(.*?)</tr>', page, re.S))
     assert "⚠ no lease" in rows[RECONCILE]
-    assert "running 2 h without a lease" in rows[RECONCILE]
+    assert re.search(r"running 2 h( \d+ min)? without a lease", rows[RECONCILE])
     assert "no lease" not in rows["leased"]  # a lease: the sweeper fails it if its worker dies
     assert "no lease" not in rows["recent"]  # not past STEPRECORD_LONG_RUNNING_AFTER (1 h)
     assert "1 step has been running longer than 1 h without a lease" in page
@@ -171,7 +171,13 @@ def test_a_large_output_is_indented_up_to_the_cut(client: httpx.Client) -> None:
     assert output is not None
     assert "Showing the first 64 KiB of" in page
     lines = output[1].splitlines()
-    assert lines[:4] == ["{", '  "rows": [', "    {", '      "tags": ['], lines[:4]
+    assert lines[:5] == [
+        "{",
+        '  "rows": [',
+        "    {",
+        '      "sku": "sku-00000",',
+        '      "tags": [',
+    ]
     assert lines[-1] == "…"
     assert len(lines) > 1000
 
@@ -213,7 +219,7 @@ def test_lanes_read_the_task_name_first_and_short_attempts_stay_apart(
         re.compile("shop.tasks.fetch_order:0000…" if wide else "…fetch_order:000000…")
     )
     shown = lane.locator("tspan.wide" if wide else "tspan.narrow")
-    assert shown.inner_text() == (
+    assert shown.text_content() == (
         "shop.tasks.fetch_order:0000…" if wide else "…fetch_order:000000…"
     )
     hidden = lane.locator("tspan.narrow" if wide else "tspan.wide")
