@@ -337,6 +337,13 @@ def error_reason(message: str | None) -> str:
 ENV.filters["reason"] = error_reason
 
 
+def reason_after(code: str | None, line: str | None) -> str:
+    """An error's line as it reads after its code: without the code when it starts with it
+    (a Python exception's `ValueError: no rows` after the code `ValueError`)."""
+    line = line or ""
+    return line[len(code) + 2 :] if code and line.startswith(code + ": ") else line
+
+
 def tip(slug: str, attempt: dict[str, Any], scale: Scale, now: datetime) -> str:
     """An attempt's bar in words, one fact a line: what, when (after the run's first start,
     and in UTC), how long, and its error's first line."""
@@ -348,7 +355,8 @@ def tip(slug: str, attempt: dict[str, Any], scale: Scale, now: datetime) -> str:
         + took(start, end, now),
     ]
     if (code and code != "lease_expired") or attempt["error_line"]:
-        lines.append("error: " + ": ".join(part for part in (code, attempt["error_line"]) if part))
+        why = reason_after(code, attempt["error_line"])
+        lines.append("error: " + ": ".join(part for part in (code, why) if part))
     return "\n".join(lines)
 
 
@@ -426,7 +434,7 @@ def timeline(
                 end_ms=millis(record["completed_at"]),
                 took=took(record["started_at"], record["completed_at"], now),
                 error=code or "",
-                error_line=record["error_line"] or "",
+                error_line=reason_after(code, record["error_line"]),
                 updated=iso(record["updated_at"]),
                 unleased=unleased_for(record, now, long_running_after),
             )
