@@ -53,9 +53,11 @@ def attempt(
 
 
 def celery_chain(client: httpx.Client) -> None:
-    """A chain of Celery tasks: an order fetched, a card charged on its second 50 ms try, a
-    2-hour shipment, and a reconciliation running for 2 hours without a lease."""
-    attempt(client, ROOT_ID, FETCH, 1, at(), at(seconds=1))
+    """A chain of Celery tasks: an order fetched (its output over 64 KiB), a card charged on
+    its second 50 ms try, a 2-hour shipment, and a reconciliation running for 2 hours without
+    a lease."""
+    order = {"order": 42, "lines": [{"sku": f"sku-{i:05}", "qty": i % 3 + 1} for i in range(3000)]}
+    attempt(client, ROOT_ID, FETCH, 1, at(), at(seconds=1), output=order)
     attempt(client, ROOT_ID, CHARGE, 1, at(seconds=1), at(seconds=1.05), "CardDeclined")
     attempt(client, ROOT_ID, CHARGE, 2, at(seconds=1.06), at(seconds=1.11))
     attempt(client, ROOT_ID, SHIP, 1, at(seconds=1.2), at(hours=2, seconds=1.2))
@@ -237,13 +239,14 @@ def test_lanes_read_the_task_name_first_and_short_attempts_stay_apart(
     assert second is not None
     assert second["x"] - (first["x"] + first["width"]) >= 2.5, (first, second)
     expect(page.locator(f'#steps tr[data-step="{RECONCILE}"] .long-running').first).to_be_visible()
-    screenshot(page, f"instance-celery-{width_of(page)}")
+    if wide:
+        screenshot(page, "instance-celery")
 
 
 PAGES = {
     "instances": "/ui",
     "instance": f"/ui/instances/{ROOT_ID}",
-    "step": f"/ui/instances/{ROOT_ID}/steps/{CHARGE}",
+    "step": f"/ui/instances/{ROOT_ID}/steps/{FETCH}",
     "failing": "/ui/failing",
     "stuck": "/ui/stuck",
     "stats": "/ui/stats",
@@ -273,7 +276,8 @@ def test_every_page_fits_its_width_with_rows_on_one_line(page: Page, client: htt
         overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
         assert overflow <= 0, (name, overflow)
         assert one_line_rows(page) == [], name
-        screenshot(page, f"{name}-{width_of(page)}")
+        if width_of(page) == 700:
+            screenshot(page, f"narrow-{name}")
 
 
 def test_json_dumps_is_what_a_whole_output_shows() -> None:
