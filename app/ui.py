@@ -139,8 +139,8 @@ def pretty_head(text: str) -> str:
 
 def shown_attempt(attempt: dict[str, Any], api: str) -> dict[str, Any]:
     """An attempt as the step page shows it: an output within `OUTPUT_HEAD` bytes whole and
-    pretty-printed, a larger one's first `OUTPUT_HEAD` bytes as stored, with a link to the
-    attempt in the API (`api`: the step's URL there)."""
+    pretty-printed, a larger one's first `OUTPUT_HEAD` bytes indented the same way up to the
+    cut (`pretty_head`), with a link to the attempt in the API (`api`: the step's URL there)."""
     size = attempt["output_bytes"]
     if size is not None and size > dashboard.OUTPUT_HEAD:
         head = attempt["output"].encode()[: dashboard.OUTPUT_HEAD].decode(errors="ignore")
