@@ -5,7 +5,9 @@ So the scale is relative to the run's first start (ticks read "+0 s", "+10 s", "
 for the span shown), and an idle gap that would take most of the width (no attempt running
 for longer than a fifth of what remains shown) is compressed to a narrow break, marked with
 the time it skips. Between breaks, time is linear. A bar is never narrower than `MIN_BAR`,
-so a 1 ms attempt in a 3-day run still shows (and can be hovered and focused).
+so a 1 ms attempt in a 3-day run still shows (and can be hovered and focused); and the
+attempts of a step keep at least `MIN_GAP` between them, so two 50 ms attempts beside a 2-hour
+step read as two bars, not one sliver.
 
 Positions are percents of the timeline's width: the lanes' labels take the first `LABEL`,
 the bars the next `AREA`.
@@ -18,6 +20,7 @@ from datetime import datetime, timedelta
 
 LABEL, AREA = 22.0, 76.0
 MIN_BAR = 0.4  # percent of the width: about 4 px on a 1,000 px timeline
+MIN_GAP = 0.5  # percent: the least room between two attempts of a lane (3 px at 640 px)
 BREAK = 4.0  # the width of a compressed gap, in percent
 GAP_SHARE = 0.2  # a gap longer than this share of the time still shown is compressed
 TICK_ROOM = 7.5  # ticks (and breaks) at least this many percent apart, so labels never overlap
@@ -85,6 +88,25 @@ class Scale:
         width = max(x1 - x0, MIN_BAR)
         x0 = min(x0, LABEL + AREA - width)
         return round(x0, 3), round(width, 3)
+
+
+def separate(bars: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """A lane's bars (`x`, width; in attempt order) placed apart: each starts at least
+    `MIN_GAP` after the one before it ends (shortened to keep its end, never below `MIN_BAR`),
+    and the last ends within the area (those before it moved back to keep the gaps)."""
+    placed: list[tuple[float, float]] = []
+    for x, width in bars:
+        if placed and x < (after := placed[-1][0] + placed[-1][1] + MIN_GAP):
+            width = max(x + width - after, MIN_BAR)
+            x = after
+        placed.append((x, width))
+    limit = LABEL + AREA
+    for i in reversed(range(len(placed))):
+        x, width = placed[i]
+        x = max(min(x, limit - width), LABEL)
+        placed[i] = (round(x, 3), round(width, 3))
+        limit = x - MIN_GAP
+    return placed
 
 
 def duration(seconds: float) -> str:

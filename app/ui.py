@@ -6,6 +6,7 @@ Access (README, "Dashboard"): the API's rules, plus a read token kept in an Http
 """
 
 import json
+import math
 import re
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ STATS_SIZE = 100  # step names on the statistics page, most attempts first
 MAX_LOGIN_BYTES = 4096
 # The timeline's lanes and axis, in pixels (its scale: app/timeline.py).
 LANE, AXIS = 18, 34
+# A lane's label, in characters: what fits its share of the timeline (`timeline.LABEL`) on a
+# wide page, and on a narrow one (ui.css shows the narrow label below 1,000 px).
+LANE_CHARS, NARROW_LANE_CHARS = 28, 20
 # Long pages are drawn in chunks of steps that the browser lays out only once scrolled into
 # view (`content-visibility: auto`); ROW_HEIGHT is a table row's estimated height in pixels.
 CHUNK = 100
@@ -104,10 +108,39 @@ def pretty(output: str | None) -> str:
     return "" if output is None else json.dumps(json.loads(output), indent=2, ensure_ascii=False)
 
 
+# A JSON text's tokens: a string (perhaps cut before its closing quote), a punctuator, or a
+# run of anything else (a number, true, false, null); whitespace between them is dropped.
+JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?$)|[{}\[\],:]|[^\s{}\[\],:"]+')
+
+
+def pretty_head(text: str) -> str:
+    """The first part of a JSON text, cut anywhere, indented as `pretty` indents a whole one:
+    a line per member and element, two spaces a level, strings kept as they are."""
+    out: list[str] = []
+    depth = 0
+    tokens = JSON_TOKEN.findall(text)
+    for index, token in enumerate(tokens):
+        following = tokens[index + 1] if index + 1 < len(tokens) else ""
+        if token in ("{", "["):
+            depth += 1
+            out.append(token if following in ("}", "]") else token + "\n" + "  " * depth)
+        elif token in ("}", "]"):
+            depth = max(depth - 1, 0)
+            empty = index > 0 and tokens[index - 1] in ("{", "[")
+            out.append(token if empty else "\n" + "  " * depth + token)
+        elif token == ",":
+            out.append(",\n" + "  " * depth)
+        elif token == ":":
+            out.append(": ")
+        else:
+            out.append(token)
+    return "".join(out)
+
+
 def shown_attempt(attempt: dict[str, Any], api: str) -> dict[str, Any]:
     """An attempt as the step page shows it: an output within `OUTPUT_HEAD` bytes whole and
-    pretty-printed, a larger one's first `OUTPUT_HEAD` bytes as stored, with a link to the
-    attempt in the API (`api`: the step's URL there)."""
+    pretty-printed, a larger one's first `OUTPUT_HEAD` bytes indented the same way up to the
+    cut (`pretty_head`), with a link to the attempt in the API (`api`: the step's URL there)."""
     size = attempt["output_bytes"]
     if size is not None and size > dashboard.OUTPUT_HEAD:
         head = attempt["output"].encode()[: dashboard.OUTPUT_HEAD].decode(errors="ignore")
@@ -116,7 +149,7 @@ def shown_attempt(attempt: dict[str, Any], api: str) -> dict[str, Any]:
             if attempt["attempt"] == 1
             else "&cursor=" + cursors.attempts_cursor({"attempt": attempt["attempt"] - 1})
         )
-        attempt["output"] = head
+        attempt["output"] = pretty_head(head) + "\n…"
         attempt["output_href"] = f"{api}/attempts?limit=1{after}"
     else:
         attempt["output"] = None if size is None else pretty(attempt["output"])
@@ -198,7 +231,8 @@ class Row:
     """A step as the instance page shows it, in its table row and its timeline lane."""
 
     slug: str
-    short: str
+    short: str  # the lane's label on a wide page
+    narrow: str  # the lane's label on a narrow one (CSS shows one of the two)
     href: str
     y: int
     bars: list[Bar]
@@ -215,6 +249,7 @@ class Row:
     error: str
     error_line: str
     updated: str
+    unleased: str = ""  # running without a lease past STEPRECORD_LONG_RUNNING_AFTER: for how long
 
 
 def label(status: str, error_code: str | None) -> str:
@@ -248,20 +283,40 @@ def slug_parts(slug: str) -> tuple[str, str, str] | None:
     return None
 
 
+def cut_name(name: str, room: int) -> str:
+    """A step name in at most `room` characters: whole when it fits; else its leading dotted
+    parts (a module's path) left out first (`…tasks.fetch_order`), then its end cut."""
+    if len(name) <= room:
+        return name
+    parts = name.split(".")
+    for start in range(1, len(parts)):
+        tail = "…" + ".".join(parts[start:])
+        if len(tail) <= room:
+            return tail
+    return shorten("…" + parts[-1] if len(parts) > 1 else name, max(room, 2))
+
+
 def step_label(slug: str, size: int | None = None) -> str:
     """A step's name as the dashboard shows it, the name first: a Celery task's slug as its
     task name and the first 8 characters of its id (`shop.charge:1a2b3c4d…`; pages give the
     full slug on hover and on the step page), any other slug as it is. With ``size``,
-    shortened to that many characters, cutting the name rather than what follows it (a
-    Celery task's short id, a mapped task's map index: `long_task_na…:17`)."""
+    shortened to that many characters by cutting what follows the name first: a Celery task's
+    id to fewer characters (at least 4: `shop.tasks.fetch_order:0000…`); the name only when it
+    alone does not fit (see `cut_name`), and never a mapped task's map index (`load:17`)."""
     parts = slug_parts(slug)
     if parts is None:
         return slug if size is None else shorten(slug, size)
     kind, name, ident = parts
-    tail = f":{ident[:8]}…" if kind == "celery" else f":{ident}"
-    if size is not None and len(name) + len(tail) > size:
-        name = shorten(name, max(size - len(tail), 4))
-    return name + tail
+    if kind == "mapped":
+        return (
+            name + ":" + ident
+            if size is None
+            else cut_name(name, size - len(ident) - 1) + ":" + ident
+        )
+    if size is None:
+        return f"{name}:{ident[:8]}…"
+    name = cut_name(name, size - 6)  # room for ":", 4 characters of the id and "…"
+    return f"{name}:{ident[: min(size - len(name) - 2, 8)]}…"
 
 
 ENV.filters["step_label"] = step_label
@@ -282,6 +337,13 @@ def error_reason(message: str | None) -> str:
 ENV.filters["reason"] = error_reason
 
 
+def reason_after(code: str | None, line: str | None) -> str:
+    """An error's line as it reads after its code: without the code when it starts with it
+    (a Python exception's `ValueError: no rows` after the code `ValueError`)."""
+    line = line or ""
+    return line[len(code) + 2 :] if code and line.startswith(code + ": ") else line
+
+
 def tip(slug: str, attempt: dict[str, Any], scale: Scale, now: datetime) -> str:
     """An attempt's bar in words, one fact a line: what, when (after the run's first start,
     and in UTC), how long, and its error's first line."""
@@ -293,7 +355,8 @@ def tip(slug: str, attempt: dict[str, Any], scale: Scale, now: datetime) -> str:
         + took(start, end, now),
     ]
     if (code and code != "lease_expired") or attempt["error_line"]:
-        lines.append("error: " + ": ".join(part for part in (code, attempt["error_line"]) if part))
+        why = reason_after(code, attempt["error_line"])
+        lines.append("error: " + ": ".join(part for part in (code, why) if part))
     return "\n".join(lines)
 
 
@@ -301,11 +364,28 @@ def offset_of(scale: Scale, moment: datetime) -> str:
     return "+" + duration((moment - scale.first).total_seconds())
 
 
-def timeline(instance_key: str, records: list[dict[str, Any]], now: datetime) -> dict[str, Any]:
+def unleased_for(record: dict[str, Any], now: datetime, after: timedelta | None) -> str:
+    """How long a step has run without a lease when that is longer than `after`
+    (STEPRECORD_LONG_RUNNING_AFTER: nothing fails it if its worker is gone), else ""."""
+    started = record["started_at"]
+    if after is None or record["status"] != "running" or record["lease_expires_at"] is not None:
+        return ""
+    if started is None or now - started <= after:
+        return ""
+    return took(started, None, now)
+
+
+def timeline(
+    instance_key: str,
+    records: list[dict[str, Any]],
+    now: datetime,
+    long_running_after: timedelta | None = None,
+) -> dict[str, Any]:
     """The instance page's rows: the steps table and the timeline's lanes, with every text
     formatted here (the template only places and escapes them; it renders 1,000 steps fast).
     The page's script draws nothing itself: it asks for this again (`/ui/instances/{key}/
-    parts`) when the stream says a step changed, and only stretches running bars to now."""
+    parts`) when the stream says a step changed, and only stretches running bars to now.
+    A running step without a lease past `long_running_after` is flagged (`Row.unleased`)."""
     attempts = [a for r in records for a in r["attempts"]]
     runs = any(a["completed_at"] is None for a in attempts)
     scale = timescale.scale(
@@ -315,19 +395,16 @@ def timeline(instance_key: str, records: list[dict[str, Any]], now: datetime) ->
     steps_path = path("instances", instance_key, "steps") + "/"
     for index, record in enumerate(records):
         bars: list[Bar] = []
-        for attempt in record["attempts"] if scale else ():
-            assert scale is not None
-            code = attempt["error_code"]
-            x, width = scale.bar(attempt["started_at"], attempt["completed_at"] or now)
-            if bars and x < bars[-1].x + bars[-1].width:
-                # The previous attempt drawn wider than it ran (the minimum width): this
-                # one starts after it, so neither hides the other from a pointer.
-                end = x + width
-                x = round(bars[-1].x + bars[-1].width, 3)
-                width = round(max(end - x, timescale.MIN_BAR), 3)
-            bars.append(
+        if scale is not None:
+            # Each attempt at least its minimum width and apart from the one before it by a
+            # gap, so two short attempts never read as one (timeline.separate).
+            attempts = record["attempts"]
+            places = timescale.separate(
+                [scale.bar(a["started_at"], a["completed_at"] or now) for a in attempts]
+            )
+            bars = [
                 Bar(
-                    mark=mark(attempt["status"], code),
+                    mark=mark(attempt["status"], attempt["error_code"]),
                     x=x,
                     width=width,
                     attempt=attempt["attempt"],
@@ -335,12 +412,14 @@ def timeline(instance_key: str, records: list[dict[str, Any]], now: datetime) ->
                     end_ms=millis(attempt["completed_at"]),
                     tip=tip(record["step_slug"], attempt, scale, now),
                 )
-            )
+                for attempt, (x, width) in zip(attempts, places, strict=True)
+            ]
         status, code = record["status"], record["error_code"]
         rows.append(
             Row(
                 slug=record["step_slug"],
-                short=step_label(record["step_slug"], 28),
+                short=step_label(record["step_slug"], LANE_CHARS),
+                narrow=step_label(record["step_slug"], NARROW_LANE_CHARS),
                 href=steps_path + quote(record["step_slug"], safe=""),
                 y=(index % CHUNK) * LANE,
                 bars=bars,
@@ -355,8 +434,9 @@ def timeline(instance_key: str, records: list[dict[str, Any]], now: datetime) ->
                 end_ms=millis(record["completed_at"]),
                 took=took(record["started_at"], record["completed_at"], now),
                 error=code or "",
-                error_line=record["error_line"] or "",
+                error_line=reason_after(code, record["error_line"]),
                 updated=iso(record["updated_at"]),
+                unleased=unleased_for(record, now, long_running_after),
             )
         )
     chunks = [rows[i : i + CHUNK] for i in range(0, len(rows), CHUNK)] or [[]]
@@ -469,6 +549,8 @@ async def instance_page(request: Request, instance_key: str) -> Response:
     if isinstance(found, HTMLResponse):
         return found
     instance, records, more = found
+    after: timedelta = request.app.state.long_running_after
+    lanes = timeline(instance_key, records, datetime.now(UTC), after)
     return render(
         request,
         "instance.html",
@@ -480,7 +562,9 @@ async def instance_page(request: Request, instance_key: str) -> Response:
         # Steps retried more often than a lane draws: their newest attempts only.
         cut=sum(r["attempt_count"] > len(r["attempts"]) == LANE_ATTEMPTS for r in records),
         lane_attempts=LANE_ATTEMPTS,
-        timeline=timeline(instance_key, records, datetime.now(UTC)),
+        timeline=lanes,
+        unleased=[r for chunk in lanes["chunks"] for r in chunk if r.unleased],
+        long_running_after=duration(after.total_seconds()),
         stream=f"/v1/instances/{quote(instance_key, safe='')}/stream",
         parts=path("instances", instance_key, "parts"),
     )
@@ -499,7 +583,9 @@ async def instance_parts(request: Request, instance_key: str) -> Response:
         request,
         "parts.html",
         instance=instance,
-        timeline=timeline(instance_key, records, datetime.now(UTC)),
+        timeline=timeline(
+            instance_key, records, datetime.now(UTC), request.app.state.long_running_after
+        ),
     )
 
 
@@ -565,7 +651,7 @@ class Spark:
 SPARK_HOUR, SPARK_HEIGHT = 8, 36
 
 
-def sparkline(hours: list[tuple[datetime, int]]) -> Spark:
+def sparkline(hours: list[tuple[datetime, int]], step: str | None = None) -> Spark:
     peak = max((count for _, count in hours), default=0)
     bars = []
     for index, (hour, count) in enumerate(hours):
@@ -573,11 +659,17 @@ def sparkline(hours: list[tuple[datetime, int]]) -> Spark:
         words = f"{hour.astimezone(UTC):%H}:00 UTC: {count} failed"
         bars.append((index * SPARK_HOUR + 1.0, SPARK_HEIGHT - height, height, words))
     total = sum(count for _, count in hours)
-    label = f"Failed attempts per hour, last 24 hours: {total} in all"
+    of = "" if step is None else f" of step {step}"
+    label = f"Failed attempts{of} per hour, last 24 hours: {total} in all"
     if peak:
         busiest = max(hours, key=lambda item: item[1])[0].astimezone(UTC)
         label += f", at most {peak} an hour (from {busiest:%H}:00 UTC)"
     return Spark(bars, len(hours) * SPARK_HOUR, SPARK_HEIGHT, total, peak, label)
+
+
+def failed_at(record: dict[str, Any]) -> tuple[datetime, int]:
+    """A failed record's failure time (its `completed_at`), then its id, for ordering."""
+    return record["completed_at"] or record["updated_at"], record["id"]
 
 
 @router.get("/ui/failing")
@@ -587,14 +679,20 @@ async def failing_page(request: Request) -> Response:
         return not_found(request, "No step has that name.")
     now = datetime.now(UTC)
     prefix = tenancy.prefix_of(request.scope)
+    since = now - timedelta(hours=24)
     async with read_connection(request) as conn:
-        hours = await stats.failures_per_hour(
-            conn, since=now - timedelta(hours=24), until=now, prefix=prefix
-        )
-        if step is not None:
+        if step is None:
+            hours = await stats.failures_per_hour(conn, since=since, until=now, prefix=prefix)
+        else:
+            hours = await stats.failures_per_hour_of_step(
+                conn, step, since=since, until=now, prefix=prefix
+            )
             items = await dashboard.failed_of_step(conn, step, prefix=prefix, limit=LIST_SIZE)
     if step is None:
         items = await _across(request, failed=True)
+    # The most recently written failures, shown by when they failed (what the page shows):
+    # a late report or a swept lease fails at an earlier time than it was written.
+    items.sort(key=failed_at, reverse=True)
     return render(
         request,
         "across.html",
@@ -602,7 +700,7 @@ async def failing_page(request: Request) -> Response:
         view="failing",
         items=items,
         step=step,
-        spark=sparkline(hours),
+        spark=sparkline(hours, step),
     )
 
 
@@ -666,7 +764,7 @@ async def stats_page(request: Request) -> Response:
             "p95": _ms_words(item["duration_ms"]["p95"]),
             "p50": _ms_words(item["duration_ms"]["p50"]),
             "max": _ms_words(item["duration_ms"]["max"]),
-            "bar": 0.0 if not slowest else (item["duration_ms"]["p95"] or 0.0) / slowest * 100,
+            "bar": log_bar(item["duration_ms"]["p95"], slowest),
             "rate": "" if item["failure_rate"] is None else f"{item['failure_rate']:.1%}",
             "failing": "/ui/failing?step=" + quote(item["name"], safe=""),
         }
@@ -685,6 +783,15 @@ async def stats_page(request: Request) -> Response:
         since=since,
         until=until,
     )
+
+
+def log_bar(ms: float | None, slowest: float) -> float:
+    """A p95's bar, in percent of its room, on a log scale from 1 ms to the slowest p95 (at
+    least 10 ms): next to a 2-hour step, a 50 ms one still has a bar a quarter as long, and a
+    duration ten times as long is always the same step longer. At least 1 %, so none is lost."""
+    if not ms:
+        return 0.0
+    return max(math.log10(max(ms, 1.0)) / math.log10(max(slowest, 10.0)) * 100, 1.0)
 
 
 def _ms_words(value: float | None) -> str:

@@ -8,7 +8,7 @@ are about the reads, not the judge."""
 import asyncio
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -179,6 +179,23 @@ def test_the_instances_and_the_statistics_are_read_from_every_shard(
     assert row is not None
     outcomes = ("completed", "failed", "superseded", "running")
     assert sum(i[outcome] for i in items for outcome in outcomes) == row["n"] > 0
+
+
+def test_failing_now_s_sparkline_of_one_step_counts_what_a_join_counts(
+    conn: psycopg.Connection[dict[str, Any]],
+) -> None:
+    window = {"since": NOW - timedelta(days=2), "until": NOW, "name": "step-23"}
+    query = stats.FAILURES_PER_HOUR_OF_STEP.format(within="")
+    hours = conn.execute(query, window).fetchall()
+    row = conn.execute(
+        "SELECT count(*) AS n FROM workflow_step_attempt a JOIN workflow_step_record r"
+        " ON r.instance_id = a.instance_id AND r.id = a.record_id"
+        " WHERE a.status = 'failed' AND r.step_slug = 'step-23'"
+        " AND a.started_at >= %(since)s AND a.started_at < %(until)s",
+        window,
+    ).fetchone()
+    assert row is not None
+    assert sum(h["failed"] for h in hours) == row["n"] > 0
 
 
 def test_the_service_reads_many_shards_over_its_kept_connections_unless_the_operator_chose(

@@ -33,6 +33,7 @@ from tests.helpers import (
     drop_database,
     one_shard,
     post,
+    screenshot,
     start_server,
     stop,
 )
@@ -299,7 +300,7 @@ def test_a_failed_step_s_reason_is_a_traceback_s_exception_line_or_a_message_s_f
     assert "Traceback (most recent" not in page
 
     failing = unescape(html(client, "/ui/failing"))
-    hints = re.findall(r'<div class="hint">(.*?)</div>', failing)
+    hints = re.findall(r'<span class="hint">(.*?)</span>', failing)
     assert sorted(hints) == ["KeyError: 'sku-9'", "no carrier for the zone"]
 
 
@@ -782,5 +783,33 @@ def test_with_a_token_the_browser_gets_in_only_after_entering_a_read_token(
         expect(page.locator("#live")).to_have_text("live", timeout=10_000)
         page.click("text=Log out")
         expect(page.locator("input[name=token]")).to_be_visible()
+    finally:
+        context.close()
+
+
+@pytest.mark.parametrize("width", [1400, 700])
+def test_the_log_out_button_sits_on_the_navigation_s_line(
+    browser: Browser, guarded: tuple[str, str, str], width: int
+) -> None:
+    url, read, _ = guarded
+    context = browser.new_context(base_url=url, viewport={"width": width, "height": 600})
+    try:
+        page = context.new_page()
+        page.goto("/ui/stats")
+        page.fill("input[name=token]", read)
+        page.click("button[type=submit]")
+        expect(page.locator("h1")).to_have_text("Statistics")
+        button = page.locator("header button", has_text="Log out")
+        link = page.locator("header nav a", has_text="Statistics")
+        # The words on one line: the middles of the two texts' line boxes.
+        middle = "e => { const r = document.createRange(); r.selectNodeContents(e);"
+        middle += " const b = r.getBoundingClientRect(); return b.top + b.height / 2; }"
+        assert abs(button.evaluate(middle) - link.evaluate(middle)) <= 1.5
+        box, header = button.bounding_box(), page.locator("header").bounding_box()
+        assert box is not None
+        assert header is not None
+        assert width - 60 <= box["x"] + box["width"] <= width - 8  # at the bar's end
+        assert header["height"] < 60  # one line
+        screenshot(page, f"signed-in-header-{width}", full_page=False)
     finally:
         context.close()

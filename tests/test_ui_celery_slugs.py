@@ -1,5 +1,5 @@
 """The dashboard shows a Celery task's slug (`<task name>:<task id>`) readably: the task name
-and the id's first 8 characters, the full slug on hover (`title=`) and on the step page."""
+and the start of its id (cut to fit), the full slug on hover (`title=`) and on the step page."""
 
 import httpx
 
@@ -25,7 +25,8 @@ def test_the_instance_page_shows_a_celery_slug_as_task_name_and_short_id(
 
     html = page(client, f"/ui/instances/{TASK_ID}")
     assert f'title="{SLUG}">{SHORT}</a>' in html  # the steps table
-    assert f"{SHORT}<title>{SLUG}</title>" in html  # the timeline's lane label
+    lane = f'<tspan class="wide">{SHORT}</tspan><tspan class="narrow">…tasks.charge:5f0c7…'
+    assert f"{lane}</tspan><title>{SLUG}</title>" in html  # the timeline's lane label
     assert 'title="fetch:3">fetch:3</a>' in html  # other slugs stay as they are
 
 

@@ -44,7 +44,7 @@ def test_the_instance_list_shows_last_activity_duration_and_failing_step(
     assert post(client, "declare", None, "run-3", "later").is_success
 
     page = html(client, "/ui")
-    assert "<th>Failing step</th><th>Last activity</th><th>Duration</th>" in page
+    assert '<th class="w-step">Failing step</th><th>Last activity</th><th>Duration</th>' in page
     first = row_of(page, "run-1")
     failing = re.search(r'<td class="failing-step">(.*?)</td>', first)
     assert failing is not None

@@ -113,6 +113,22 @@ def test_a_bar_is_never_narrower_than_the_minimum_nor_past_the_end() -> None:
     assert x + width <= timeline.LABEL + timeline.AREA + 1e-9
 
 
+def test_a_lane_s_attempts_keep_a_gap_and_stay_within_the_area() -> None:
+    # Two 50 ms attempts beside a 2-hour step: each at the minimum width, the second after a
+    # gap; and at the very end of the run, moved back rather than past the area's end.
+    end = timeline.LABEL + timeline.AREA
+    short = [(50.0, timeline.MIN_BAR), (50.001, timeline.MIN_BAR)]
+    (x1, w1), (x2, w2) = timeline.separate(short)
+    assert (w1, w2) == (timeline.MIN_BAR, timeline.MIN_BAR)
+    assert x2 - (x1 + w1) >= timeline.MIN_GAP - 1e-9
+    at_end = [(end - timeline.MIN_BAR, timeline.MIN_BAR)] * 3
+    placed = timeline.separate(at_end)
+    assert placed[-1][0] + placed[-1][1] <= end + 1e-9
+    assert all(
+        b[0] - (a[0] + a[1]) >= timeline.MIN_GAP - 1e-9 for a, b in itertools.pairwise(placed)
+    )
+
+
 @pytest.mark.parametrize(
     ("span", "first_ticks"),
     [

@@ -134,3 +134,31 @@ async def failures_per_hour(
         params |= prefix_params(prefix)
     cur = await conn.execute(FAILURES_PER_HOUR.format(within=within), params)
     return [(row["hour"], row["failed"]) for row in await cur.fetchall()]
+
+
+# The same, of one step name's attempts only (Failing now filtered by step): each failed
+# attempt's step name read from its record by primary key, as in the statistics.
+FAILURES_PER_HOUR_OF_STEP = FAILURES_PER_HOUR.replace(
+    "{within}",
+    "{within} AND (SELECT "
+    + NAME_OF.format(s="r.step_slug").replace("{", "{{").replace("}", "}}")
+    + " FROM workflow_step_record r"
+    " WHERE r.instance_id = a.instance_id AND r.id = a.record_id) = %(name)s",
+)
+
+
+async def failures_per_hour_of_step(
+    conn: AsyncConn, name: str, *, since: datetime, until: datetime, prefix: str | None
+) -> list[tuple[datetime, int]]:
+    """`failures_per_hour` of the attempts of step `name` only, as `/v1/stats/steps` names
+    steps (a Celery task over every task id, a mapped task over every map index)."""
+    within = (
+        f" AND a.instance_id IN (SELECT p.id FROM process_instance p WHERE {IN_PREFIX})"
+        if prefix
+        else ""
+    )
+    params: dict[str, Any] = {"since": since, "until": until, "name": name}
+    if prefix:
+        params |= prefix_params(prefix)
+    cur = await conn.execute(FAILURES_PER_HOUR_OF_STEP.format(within=within), params)
+    return [(row["hour"], row["failed"]) for row in await cur.fetchall()]
