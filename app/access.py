@@ -306,9 +306,12 @@ class AccessControl:
             scope.setdefault("state", {})[ADMISSION] = Admission(grant, direct)
             if grant is not None and grant.key_prefix is not None:
                 tenancy.set_prefix(scope, grant.key_prefix)
-            # Its database connections count against its token's share (app/shares.py).
+            # Its database connections count against its token's share, and its tenant's
+            # (a key prefix's) when it has one (app/shares.py).
             principal = shares.PRINCIPAL.set(
-                shares.principal_of(None if grant is None else grant.token_id)
+                shares.principal_of(None, None)
+                if grant is None
+                else shares.principal_of(grant.token_id, grant.key_prefix)
             )
             try:
                 await self.app(scope, receive, send)

@@ -478,7 +478,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 # Settings whose default follows from another's.
-DERIVED_DEFAULTS = {"pool_share_per_token": "default: half of STEPRECORD_POOL_SIZE, at least 1"}
+DERIVED_DEFAULTS = {
+    "pool_share_per_token": "default: half of STEPRECORD_POOL_SIZE, at least 1",
+    "pool_share_per_tenant": "default: STEPRECORD_POOL_SHARE_PER_TOKEN",
+    "pool_reserve": "default: a fifth of STEPRECORD_POOL_SIZE, at least 1 (0 for a pool of 1)",
+}
 # Settings that `serve` takes from its own options rather than from the environment.
 SERVE_OPTIONS = {"insecure_no_auth": "--insecure-no-auth"}
 

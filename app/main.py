@@ -118,6 +118,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         tracer = None if provider is None else tracing.start(provider)
 
         share = settings.pool_share_per_token or shares.default_share(settings.pool_size)
+        reserve = settings.pool_reserve
+        if reserve is None:
+            reserve = shares.default_reserve(settings.pool_size)
 
         def pool(conninfo: str, name: str) -> Pool:
             return Pool(
@@ -129,6 +132,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 on_change=functools.partial(observe.pool_changed, name),
                 tracer=tracer,
                 share=share,
+                tenant_share=settings.pool_share_per_tenant or share,
+                reserve=reserve,
                 configure=placement.configure,
             )
 
