@@ -5,8 +5,10 @@ markup. The stylesheet and the small live-update script are served by the servic
 Access (README, "Dashboard"): the API's rules, plus a read token kept in an HttpOnly cookie.
 """
 
+import asyncio
 import json
 import re
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -17,13 +19,13 @@ from urllib.parse import parse_qs, quote, urlsplit
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import cursors, domain, sessions, static, tenancy
 from app import timeline as timescale
 from app.data import dashboard, reads, repairs, running, stats
-from app.data.dashboard import LANE_ATTEMPTS
 from app.db import AsyncConn
 from app.errors import Problem
 from app.limits import KEY_PREFIX_RE, KEY_RE, NAME_RE
@@ -170,6 +172,22 @@ def render(
     signed_in = request is not None and COOKIE in request.cookies
     html = ENV.get_template(template).render(now=datetime.now(UTC), signed_in=signed_in, **context)
     return HTMLResponse(html, status_code=http_status)
+
+
+# Large pages (an instance's timeline, a step's attempts) are built and rendered in a thread,
+# this many at a time per worker: the event loop goes on serving other requests meanwhile
+# (the thread gives it the interpreter every few milliseconds), and three large pages asked at
+# once take turns rather than three threads' worth of the loop's time.
+RENDERS_AT_ONCE = 1
+
+
+async def render_aside(
+    request: Request, build: Callable[[], dict[str, Any]], template: str
+) -> HTMLResponse:
+    """`template` rendered with what `build()` returns, both in a thread (see above)."""
+    gate: asyncio.Semaphore = request.app.state.rendering
+    async with gate:
+        return await run_in_threadpool(lambda: render(request, template, **build()))
 
 
 def not_found(request: Request, what: str) -> HTMLResponse:
@@ -449,8 +467,9 @@ async def instances_page(request: Request) -> Response:
 
 async def _instance(
     request: Request, instance_key: str
-) -> tuple[dict[str, Any], list[dict[str, Any]], bool] | HTMLResponse:
-    """An instance with its first `MAX_STEPS` steps and whether it has more, or the 404 page."""
+) -> tuple[dict[str, Any], list[dict[str, Any]], int, int] | HTMLResponse:
+    """An instance with its first `MAX_STEPS` steps, how many it has in all, and how many
+    attempts a lane shows at most; or the 404 page."""
     if not KEY_RE.fullmatch(instance_key):
         return not_found(request, "No instance has that key.")
     async with read_connection(request) as conn:
@@ -459,8 +478,8 @@ async def _instance(
             instance = await reads.get_instance(conn, instance_key)
         except domain.InstanceNotFound:
             return not_found(request, f"No instance has the key {instance_key!r}.")
-        records, more = await dashboard.instance_steps(conn, instance["id"], limit=MAX_STEPS)
-    return instance, records, more
+        records, total, lane = await dashboard.instance_steps(conn, instance["id"], limit=MAX_STEPS)
+    return instance, records, total, lane
 
 
 @router.get("/ui/instances/{instance_key}")
@@ -468,22 +487,24 @@ async def instance_page(request: Request, instance_key: str) -> Response:
     found = await _instance(request, instance_key)
     if isinstance(found, HTMLResponse):
         return found
-    instance, records, more = found
-    return render(
-        request,
-        "instance.html",
-        title=instance_key,
-        instance=instance,
-        records=records,
-        more=more,
-        max_steps=MAX_STEPS,
-        # Steps retried more often than a lane draws: their newest attempts only.
-        cut=sum(r["attempt_count"] > len(r["attempts"]) == LANE_ATTEMPTS for r in records),
-        lane_attempts=LANE_ATTEMPTS,
-        timeline=timeline(instance_key, records, datetime.now(UTC)),
-        stream=f"/v1/instances/{quote(instance_key, safe='')}/stream",
-        parts=path("instances", instance_key, "parts"),
-    )
+    instance, records, total, lane = found
+
+    def build() -> dict[str, Any]:
+        return {
+            "title": instance_key,
+            "instance": instance,
+            "records": records,
+            "total_steps": total,
+            "steps_api": "/v1" + path("instances", instance_key, "steps").removeprefix("/ui"),
+            # Steps retried more often than a lane draws: their newest attempts only.
+            "cut": sum(r["attempt_count"] > len(r["attempts"]) == lane for r in records),
+            "lane_attempts": lane,
+            "timeline": timeline(instance_key, records, datetime.now(UTC)),
+            "stream": f"/v1/instances/{quote(instance_key, safe='')}/stream",
+            "parts": path("instances", instance_key, "parts"),
+        }
+
+    return await render_aside(request, build, "instance.html")
 
 
 @router.get("/ui/instances/{instance_key}/parts")
@@ -494,13 +515,15 @@ async def instance_parts(request: Request, instance_key: str) -> Response:
     found = await _instance(request, instance_key)
     if isinstance(found, HTMLResponse):
         return found
-    instance, records, _ = found
-    return render(
-        request,
-        "parts.html",
-        instance=instance,
-        timeline=timeline(instance_key, records, datetime.now(UTC)),
-    )
+    instance, records, _, _ = found
+
+    def build() -> dict[str, Any]:
+        return {
+            "instance": instance,
+            "timeline": timeline(instance_key, records, datetime.now(UTC)),
+        }
+
+    return await render_aside(request, build, "parts.html")
 
 
 @router.get("/ui/instances/{instance_key}/steps/{step_slug}")
@@ -522,18 +545,20 @@ async def step_page(request: Request, instance_key: str, step_slug: str) -> Resp
             return not_found(request, f"No instance has the key {instance_key!r}.")
         except domain.StepNotFound:
             return not_found(request, f"Instance {instance_key!r} has no step {step_slug!r}.")
-    return render(
-        request,
-        "step.html",
-        title=f"{step_slug} · {instance_key}",
-        record=record,
-        attempts=[shown_attempt(a, api) for a in attempts],
-        older=total - len(attempts),
-        repairs=repaired.items,
-        more_repairs=repaired.last is not None,
-        api=api,
-        trace_url=request.app.state.trace_url,
-    )
+
+    def build() -> dict[str, Any]:
+        return {
+            "title": f"{step_slug} · {instance_key}",
+            "record": record,
+            "attempts": [shown_attempt(a, api) for a in attempts],
+            "older": total - len(attempts),
+            "repairs": repaired.items,
+            "more_repairs": repaired.last is not None,
+            "api": api,
+            "trace_url": request.app.state.trace_url,
+        }
+
+    return await render_aside(request, build, "step.html")
 
 
 async def _across(request: Request, *, failed: bool) -> list[dict[str, Any]]:
@@ -868,6 +893,7 @@ class DashboardHeaders:
 
 def install(app: FastAPI) -> None:
     static.mount(app, "ui", ASSETS)
+    app.state.rendering = asyncio.Semaphore(RENDERS_AT_ONCE)
     # The routes themselves, not an included router: every route of the app is then one entry
     # of `app.routes` (the unknown-route advice in app/errors.py reads them).
     app.router.routes.extend(router.routes)

@@ -216,6 +216,54 @@ def test_the_instance_page_draws_the_newest_50_attempts_of_a_step_and_says_so(
     assert "1 step has more than 50 attempts: the timeline draws the newest 50" in page
 
 
+def send_batches(client: httpx.Client, events: list[dict[str, Any]]) -> None:
+    for start in range(0, len(events), 250):
+        answer = client.post("/v1/events", json={"events": events[start : start + 250]})
+        assert answer.status_code == 200, answer.text
+        assert all(r["status"] in (200, 201) for r in answer.json()["results"])
+
+
+def test_an_instance_page_of_many_retried_steps_draws_at_most_5000_bars_and_says_so(
+    client: httpx.Client,
+) -> None:
+    """120 steps of 45 attempts: each lane draws its newest 41 (5,000 bars over 120 lanes),
+    not 5,400, and the page says so."""
+    steps, tries = 120, 45
+    send_batches(
+        client,
+        [
+            {
+                "instance_key": "retried",
+                "step_slug": f"s{n:03}",
+                "kind": "fail",
+                "attempt": attempt,
+                "started_at": T0,
+                "completed_at": T1,
+                "error_code": "E",
+            }
+            for n in range(steps)
+            for attempt in range(1, tries + 1)
+        ],
+    )
+    page = html(client, "/ui/instances/retried")
+    lane = 5000 // steps
+    assert len(re.findall(r'data-attempt="(\d+)"', page)) == steps * lane
+    assert f"{steps} steps have more than {lane} attempts: the timeline draws the newest" in page
+
+
+def test_an_instance_page_shows_its_first_1000_steps_and_says_how_many_it_has(
+    client: httpx.Client,
+) -> None:
+    send_batches(
+        client,
+        [{"instance_key": "wide", "step_slug": f"s{n:04}", "kind": "declare"} for n in range(1003)],
+    )
+    page = unescape(html(client, "/ui/instances/wide"))
+    assert page.count("<tr data-step=") == 1000
+    assert "Showing the first 1,000 of 1,003 steps; the API lists every one" in page
+    assert 'href="/v1/instances/wide/steps"' in page
+
+
 def test_outputs_and_errors_are_text_never_markup(client: httpx.Client) -> None:
     assert post(client, "start", None, "x-1", "a").is_success
     output = {"html": SCRIPT, "img": IMAGE}
@@ -654,6 +702,7 @@ def test_the_instance_and_step_pages_read_steps_and_attempts_by_index(
             "limit": 1001,
             "last_ordinal": 2,
             "record_id": 500,
+            "lane": dashboard.LANE_ATTEMPTS,
         }
         text = plan(many_instances, query, params)
         assert "Seq Scan" not in text, text
