@@ -39,6 +39,7 @@ from app.limits import PREFIX_DELIMITED_RE, PREFIX_RE
 from app.main import alembic_config, create_app, known_revisions, schema_head
 from app.serialize import dumps, record_json
 from app.server import ServerConfig
+from app.shown import shown
 
 
 def openapi_json() -> str:
@@ -582,7 +583,7 @@ async def _repair(args: argparse.Namespace, url: str) -> int:
             file=sys.stderr,
         )
         return 1
-    print(dumps(record).decode())
+    print(shown(dumps(record).decode()))  # a client's text drives no terminal (app/shown.py)
     print(
         f"reopened {args.instance_key}/{args.step_slug}: pending at attempt"
         f" {record['attempt_count']}, logged as repaired by {by!r}",

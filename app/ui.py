@@ -31,11 +31,23 @@ from app.errors import Problem
 from app.limits import KEY_PREFIX_RE, KEY_RE, NAME_RE
 from app.replica import ReadPool
 from app.serialize import timestamp
+from app.shown import shown
 from app.timeline import Scale, duration
 
 HERE = Path(__file__).resolve().parent
 ASSETS = HERE / "assets"
+# The session's cookie: over https `__Host-` prefixed (the browser keeps it only when it is
+# Secure, for this host alone, on path `/`: no other host of the domain, and no page over
+# http, can set or shadow it); over plain http, where a cookie cannot be Secure and so
+# cannot have the prefix, the plain name. A request over https reads only the prefixed one.
 COOKIE = "steprecord_ui_token"
+SECURE_COOKIE = "__Host-" + COOKIE
+
+
+def cookie_name(secure: bool) -> str:
+    return SECURE_COOKIE if secure else COOKIE
+
+
 CSS = static.url("ui", "ui.css")
 JS = static.url("ui", "ui.js")
 LOGIN = "/ui/login"
@@ -151,11 +163,20 @@ def path(*parts: str) -> str:
     return "/ui/" + "/".join(quote(part, safe="") for part in parts)
 
 
+def _finalize(value: Any) -> Any:
+    """Every value a template prints, before it is escaped: client text with its terminal
+    escapes and bidirectional controls shown, never acted on (app/shown.py)."""
+    if type(value) is str:  # not Markup: what the templates themselves made
+        return shown(value)
+    return value
+
+
 ENV = Environment(
     loader=FileSystemLoader(HERE / "templates"),
     autoescape=True,
     trim_blocks=True,
     lstrip_blocks=True,
+    finalize=_finalize,
 )
 ENV.filters.update(
     utc=utc, iso=iso, millis=millis, pretty=pretty, step_label=lambda s: step_label(s)
@@ -169,7 +190,9 @@ ENV.globals.update(
 def render(
     request: Request | None, template: str, http_status: int = 200, **context: Any
 ) -> HTMLResponse:
-    signed_in = request is not None and COOKIE in request.cookies
+    signed_in = (
+        request is not None and cookie_name(request.url.scheme == "https") in request.cookies
+    )
     html = ENV.get_template(template).render(now=datetime.now(UTC), signed_in=signed_in, **context)
     return HTMLResponse(html, status_code=http_status)
 
@@ -741,8 +764,9 @@ def login_page(
     if target is None:
         query = scope.get("query_string", b"").decode("latin-1")
         target = scope["path"] + (f"?{query}" if query else "")
+    secure = scope.get("scheme") == "https"
     kept = any(
-        name == b"cookie" and token_from_cookie(value.decode("latin-1")) is not None
+        name == b"cookie" and token_from_cookie(value.decode("latin-1"), secure) is not None
         for name, value in scope["headers"]
     )
     reason = (detail or "").partition("; ")[2]
@@ -761,11 +785,13 @@ def _login_form(message: str | None, status: int, target: str | None) -> HTMLRes
     )
 
 
-def token_from_cookie(header: str) -> str | None:
-    """The dashboard's token from a `Cookie` header, if it carries one."""
+def token_from_cookie(header: str, secure: bool) -> str | None:
+    """The dashboard's session from a `Cookie` header of a request over https (`secure`) or
+    plain http, if it carries one under that scheme's name."""
+    wanted = cookie_name(secure)
     for part in header.split(";"):
         name, _, value = part.strip().partition("=")
-        if name == COOKIE and value:
+        if name == wanted and value:
             return value
     return None
 
@@ -825,7 +851,8 @@ async def login(request: Request) -> Response:
     expires = int(datetime.now(UTC).timestamp() + seconds)
     session = sessions.sign(request.app.state.session_secret, grant.token_id, grant.digest, expires)
     response = RedirectResponse(target, status_code=303)
-    response.set_cookie(COOKIE, session, max_age=int(seconds), **_cookie_flags(request))
+    flags = _cookie_flags(request)
+    response.set_cookie(cookie_name(flags["secure"]), session, max_age=int(seconds), **flags)
     return response
 
 
@@ -849,7 +876,8 @@ async def logout(request: Request) -> Response:
     if not same_origin(request):
         return render(request, "message.html", 403, title="Sign out", message=CROSS_SITE)
     response = RedirectResponse("/ui", status_code=303)
-    response.delete_cookie(COOKIE, **_cookie_flags(request))
+    flags = _cookie_flags(request)
+    response.delete_cookie(cookie_name(flags["secure"]), **flags)
     return response
 
 
