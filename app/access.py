@@ -4,7 +4,8 @@ Each worker reloads the tokens every few seconds, so a check costs no database r
 and a new or revoked token takes effect on every worker within that time. Only SHA-256
 digests are held; a presented token is hashed and looked up by digest.
 
-The dashboard (README, "Dashboard") keeps a session in the cookie `steprecord_ui_token`: a
+The dashboard (README, "Dashboard") keeps a session in the cookie `steprecord_ui_token`
+(`__Host-steprecord_ui_token` over https, the only one a request over https reads): a
 signed, expiring value naming a token, never the token itself (app/sessions.py). The cookie
 is a credential for GET and HEAD requests only and grants read scope at most, so a session
 of a write token can never write, and a request forged by another site cannot either.
@@ -287,12 +288,13 @@ class AccessControl:
         authorization = None
         cookie = None
         proxied = False
+        secure = scope.get("scheme") == "https"
         for name, value in scope["headers"]:
             if name == b"authorization":
                 if authorization is None:
                     authorization = value.decode("latin-1")
             elif name == b"cookie":
-                cookie = ui.token_from_cookie(value.decode("latin-1")) or cookie
+                cookie = ui.token_from_cookie(value.decode("latin-1"), secure) or cookie
             elif name in PROXY_HEADERS:
                 proxied = True
         needed = needed_scope(scope["method"], scope["path"])
@@ -306,9 +308,12 @@ class AccessControl:
             scope.setdefault("state", {})[ADMISSION] = Admission(grant, direct)
             if grant is not None and grant.key_prefix is not None:
                 tenancy.set_prefix(scope, grant.key_prefix)
-            # Its database connections count against its token's share (app/shares.py).
+            # Its database connections count against its token's share, and its tenant's
+            # (a key prefix's) when it has one (app/shares.py).
             principal = shares.PRINCIPAL.set(
-                shares.principal_of(None if grant is None else grant.token_id)
+                shares.principal_of(None, None)
+                if grant is None
+                else shares.principal_of(grant.token_id, grant.key_prefix)
             )
             try:
                 await self.app(scope, receive, send)

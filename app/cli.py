@@ -41,6 +41,7 @@ from app.limits import PREFIX_DELIMITED_RE, PREFIX_RE
 from app.main import alembic_config, create_app, known_revisions, schema_head
 from app.serialize import dumps, record_json
 from app.server import ServerConfig
+from app.shown import shown
 
 
 def openapi_json() -> str:
@@ -495,7 +496,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 # Settings whose default follows from another's.
-DERIVED_DEFAULTS = {"pool_share_per_token": "default: half of STEPRECORD_POOL_SIZE, at least 1"}
+DERIVED_DEFAULTS = {
+    "pool_share_per_token": "default: half of STEPRECORD_POOL_SIZE, at least 1",
+    "pool_share_per_tenant": "default: STEPRECORD_POOL_SHARE_PER_TOKEN",
+    "pool_reserve": "default: a fifth of STEPRECORD_POOL_SIZE, at least 1 (0 for a pool of 1)",
+}
 # Settings that `serve` takes from its own options rather than from the environment.
 SERVE_OPTIONS = {"insecure_no_auth": "--insecure-no-auth"}
 
@@ -595,7 +600,7 @@ async def _repair(args: argparse.Namespace, url: str) -> int:
             file=sys.stderr,
         )
         return 1
-    print(dumps(record).decode())
+    print(shown(dumps(record).decode()))  # a client's text drives no terminal (app/shown.py)
     print(
         f"reopened {args.instance_key}/{args.step_slug}: pending at attempt"
         f" {record['attempt_count']}, logged as repaired by {by!r}",

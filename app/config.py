@@ -6,10 +6,11 @@ import os
 import re
 from datetime import timedelta
 from pathlib import Path
+from typing import Self
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -39,6 +40,13 @@ class Settings(BaseSettings):
     # The connections of a worker's pool one token (or anonymous access) may hold at once;
     # its requests beyond wait up to `db_timeout`, then 429. Unset: half the pool, at least 1.
     pool_share_per_token: int | None = Field(default=None, ge=1, le=500)
+    # The connections the tokens of one key prefix (a tenant) may hold together; beyond, as
+    # above. Unset: the same as a token's share.
+    pool_share_per_tenant: int | None = Field(default=None, ge=1, le=500)
+    # The last free connections of a pool, which only a request whose token and tenant hold
+    # none may take: no one token or tenant can take them. Unset: a fifth of the pool, at
+    # least 1 (0 for a pool of 1); at most the pool's size less one.
+    pool_reserve: int | None = Field(default=None, ge=0, le=499)
     # Seconds a request may wait for a connection (or to open one) before it answers 503.
     db_timeout: float = Field(default=1.5, gt=0, le=30)
     # Seconds a request's statements may run (lock waits included) before they are cancelled
@@ -102,6 +110,16 @@ class Settings(BaseSettings):
     # networks, comma-separated, or `*` when only the proxy can reach the service. A request
     # one of them says came over https gets the dashboard's cookie marked `Secure`.
     trusted_proxies: str = "127.0.0.1,::1"
+
+    @model_validator(mode="after")
+    def _reserve_leaves_room(self) -> Self:
+        if self.pool_reserve is not None and self.pool_reserve >= self.pool_size:
+            raise ValueError(
+                f"STEPRECORD_POOL_RESERVE ({self.pool_reserve}) must be smaller than"
+                f" STEPRECORD_POOL_SIZE ({self.pool_size}): a busy token holds at least one"
+                " connection beyond the reserve"
+            )
+        return self
 
     @field_validator("session_secret")
     @classmethod

@@ -12,15 +12,17 @@ setting, no startup parameter and no extra round trip, so it holds behind PgBoun
 transaction mode as well. A server that does not even answer the cancel within
 `CANCEL_GRACE` seconds is treated as lost.
 
-A request holds at most its token's share of the connections (app/shares.py); work that is
-no request's is not counted. A connection on which the database raised an error that no caller
-handled is closed, never given to the next request.
+A request holds at most its token's and its tenant's share of the connections, and the pool's
+last few (its reserve) go only to a request whose token and tenant hold none (app/shares.py);
+work that is no request's is not counted. A connection on which the database raised an error
+that no caller handled is closed, never given to the next request.
 
 While tracing is on (app/tracing.py), a request's use of a connection, from waiting for it
 to giving it back, is a client span of the request's span.
 """
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -123,6 +125,8 @@ class Pool:
         on_change: Callable[[str, int], None] | None = None,
         tracer: tracing.Tracer | None = None,
         share: int | None = None,
+        tenant_share: int | None = None,
+        reserve: int = 0,
         configure: Callable[[AsyncConn], Awaitable[None]] | None = None,
     ) -> None:
         self._on_change = on_change
@@ -132,9 +136,19 @@ class Pool:
         self._timeout = timeout
         self._statement_timeout = statement_timeout
         self._prepare_threshold = prepare_threshold
-        self._slots = asyncio.Semaphore(size)
         # Each principal's share of the connections (app/shares.py); None: no shares.
-        self._shares = None if share is None else shares.Shares(min(share, size))
+        self._shares = (
+            None
+            if share is None
+            else shares.Shares(min(share, size), min(tenant_share or share, size))
+        )
+        # The pool's slots: `taken` of `size`, the last `reserve` free ones only for a request
+        # whose shares hold none; requests waiting for one, in order of arrival, with theirs.
+        self.reserve = min(reserve, size - 1)
+        self.taken = 0
+        self._waiters: collections.deque[tuple[asyncio.Future[None], list[shares.Share]]] = (
+            collections.deque()
+        )
         self._idle: list[AsyncConn] = []
         # What a client is told when this pool's server cannot be reached or went away (None:
         # the words for the database itself); a Citus node's pool names it as such.
@@ -193,54 +207,112 @@ class Pool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout  # waiting for a slot and connecting, together
         principal = None if self._shares is None else shares.PRINCIPAL.get()
-        share = None
-        if principal is not None:
-            share = await self._take_share(principal, deadline - loop.time() if wait else 0)
+        held: list[shares.Share] = []
         try:
-            if not self._slots.locked():
-                await self._slots.acquire()  # a free slot is taken at once, without yielding
-            elif not wait:
-                raise PoolExhausted("every database connection is in use")
-            else:
-                self._changed(waiting=1)
-                try:
-                    await asyncio.wait_for(self._slots.acquire(), deadline - loop.time())
-                except TimeoutError:
-                    raise PoolExhausted("no database connection came free in time") from None
-                finally:
-                    self._changed(waiting=-1)
-            async with self._connected(deadline, share) as conn:
+            if principal is not None:
+                await self._take_shares(principal, held, deadline - loop.time() if wait else 0)
+            await self._take_slot(held, deadline if wait else None)
+            async with self._connected(deadline, held) as conn:
                 yield conn
         finally:
-            if share is not None and self._shares is not None:
-                share.slots.release()
-                self._shares.leave(share)
+            if self._shares is not None:
+                for share in held:
+                    share.slots.release()
+                    self._shares.leave(share)
 
-    async def _take_share(self, principal: str, wait: float) -> shares.Share:
-        """A slot of the principal's share, within `wait` seconds: `TokenBusy` when its
-        connections are all busy, `PoolExhausted` when they are still coming (the database
-        is slow to give them: an outage answers 503, not 429)."""
+    async def _take_shares(
+        self, principal: shares.Principal, held: list[shares.Share], wait: float
+    ) -> None:
+        """A slot of the principal's token share, then of its tenant's, within `wait` seconds,
+        added to `held`: `TokenBusy` when the connections of either are all busy,
+        `PoolExhausted` when they are still coming (the database is slow to give them: an
+        outage answers 503, not 429)."""
         assert self._shares is not None
-        share = self._shares.of(principal)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        wanted = [self._shares.of(principal.token, self._shares.size)]
+        if principal.tenant is not None:
+            wanted.append(self._shares.of(principal.tenant, self._shares.tenant_size))
         try:
-            taken = await self._shares.take(share, wait)
-        except BaseException:
-            self._shares.leave(share)
-            raise
-        if not taken:
-            saturated = share.saturated
-            self._shares.leave(share)
-            if saturated and wait > 0:
-                raise TokenBusy(
-                    f"this token already uses its {share.size} database connections of this"
-                    f" worker's {self.size} (STEPRECORD_POOL_SHARE_PER_TOKEN)"
-                )
+            for share in wanted:
+                left = max(deadline - loop.time(), 0) if wait else 0
+                if not await self._shares.take(share, left):
+                    break
+                held.append(share)
+        finally:
+            for share in wanted[len(held) :]:
+                self._shares.leave(share)
+        if len(held) == len(wanted):
+            return
+        # A token's requests may wait for their tenant's share: busy is busy either way.
+        busy = next((s for s in reversed(wanted) if s.saturated), None)
+        if busy is None or wait <= 0:
             raise PoolExhausted("no database connection came free in time")
-        return share
+        if busy.key == principal.token:
+            whose, setting = "this token already uses its", "STEPRECORD_POOL_SHARE_PER_TOKEN"
+        else:
+            whose = "the tokens of this key prefix already use their"
+            setting = "STEPRECORD_POOL_SHARE_PER_TENANT"
+        raise TokenBusy(
+            f"{whose} {busy.size} database connections of this worker's {self.size} ({setting})"
+        )
+
+    def _may_take(self, held: list[shares.Share]) -> bool:
+        """Whether a request holding `held` may take a slot of the pool now: one beyond the
+        reserve is free, or one of the reserve and its shares hold none."""
+        free = self.size - self.taken
+        return free > self.reserve or (free > 0 and all(s.pooled == 0 for s in held))
+
+    def _grant(self, held: list[shares.Share]) -> None:
+        self.taken += 1
+        for share in held:
+            share.pooled += 1
+
+    async def _take_slot(self, held: list[shares.Share], deadline: float | None) -> None:
+        """A slot of the pool for a request holding `held`: at once when it may take one (a
+        slot given back goes straight to the first waiter that may take it, so no waiter is
+        passed by), else by `deadline` (None: not at all), or `PoolExhausted`."""
+        if self._may_take(held):
+            self._grant(held)  # without yielding
+            return
+        if deadline is None:
+            raise PoolExhausted("every database connection is in use")
+        loop = asyncio.get_running_loop()
+        granted: asyncio.Future[None] = loop.create_future()
+        waiter = (granted, held)
+        self._waiters.append(waiter)
+        self._changed(waiting=1)
+        try:
+            await asyncio.wait([granted], timeout=max(deadline - loop.time(), 0))
+        except BaseException:  # cancelled while waiting: the client went away
+            if granted.done():
+                self._release_slot(held)  # given to it meanwhile: to the next waiter
+            else:
+                self._waiters.remove(waiter)
+            raise
+        finally:
+            self._changed(waiting=-1)
+        if not granted.done():
+            self._waiters.remove(waiter)
+            raise PoolExhausted("no database connection came free in time")
+
+    def _release_slot(self, held: list[shares.Share]) -> None:
+        """Give a slot back, to the first waiters that may take what is free."""
+        self.taken -= 1
+        for share in held:
+            share.pooled -= 1
+        for waiter in list(self._waiters):
+            if self.taken >= self.size:
+                break
+            granted, theirs = waiter
+            if self._may_take(theirs):
+                self._waiters.remove(waiter)
+                self._grant(theirs)
+                granted.set_result(None)
 
     @asynccontextmanager
     async def _connected(
-        self, deadline: float, share: shares.Share | None
+        self, deadline: float, held: list[shares.Share]
     ) -> AsyncIterator[AsyncConn]:
         """A connection, once a slot of the pool is held (it gives the slot back)."""
         loop = asyncio.get_running_loop()
@@ -255,7 +327,7 @@ class Pool:
                     public = self.unreachable or "the database cannot be reached"
                     raise DatabaseUnavailable(logged, public) from exc
             self._changed(in_use=1)
-            if share is not None:
+            for share in held:
                 share.connected += 1
             try:
                 # The first expiry cancels the statement; the second, if the server has not
@@ -289,7 +361,7 @@ class Pool:
                 raise DatabaseUnavailable(text, text) from None
             finally:
                 self._changed(in_use=-1)
-                if share is not None:
+                for share in held:
                     share.connected -= 1
         finally:
             if conn is not None:
@@ -297,7 +369,7 @@ class Pool:
                     await conn.close()
                 else:
                     self._idle.append(conn)
-            self._slots.release()
+            self._release_slot(held)
 
     def _changed(self, in_use: int = 0, waiting: int = 0) -> None:
         """Count a change, and report the count that changed ("in_use" or "waiting")."""

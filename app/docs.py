@@ -7,6 +7,8 @@ from fastapi.openapi.docs import (
     get_swagger_ui_oauth2_redirect_html,
 )
 from fastapi.responses import HTMLResponse
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import static
 
@@ -21,9 +23,38 @@ OPEN_PATHS = frozenset(
 )
 
 
+# The pages themselves (not their scripts): no other site may frame them (clickjacking a
+# "Try it out" with the visitor's token). Only framing is forbidden: Swagger UI and ReDoc run
+# inline scripts that a stricter policy would stop.
+PAGES = frozenset({"/docs", OAUTH2_REDIRECT, "/redoc"})
+NO_FRAMING = {"x-frame-options": "DENY", "content-security-policy": "frame-ancestors 'none'"}
+
+
+class NoFraming:
+    """ASGI middleware adding `NO_FRAMING` to the docs pages' answers."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in PAGES:
+            await self.app(scope, receive, send)
+            return
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in NO_FRAMING.items():
+                    headers[name] = value
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
 def install(app: FastAPI) -> None:
     """Add the docs pages to an app created with `docs_url=None, redoc_url=None`."""
     static.mount(app, "docs", static.DOCS_ASSETS)
+    app.add_middleware(NoFraming)
     openapi_url = app.openapi_url or "/openapi.json"
 
     @app.get("/docs", include_in_schema=False)

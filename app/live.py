@@ -69,7 +69,7 @@ from psycopg.rows import dict_row
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import domain
+from app import access, domain
 from app.data import replication, stream
 from app.db import AsyncConn, DatabaseUnavailable
 from app.errors import validation_problem
@@ -97,11 +97,11 @@ EVENT_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,19})")
 MAX_XID8 = 2**64 - 1
 MAX_ID = 2**63 - 1
 KEEPALIVE = b": keepalive\n\n"
-# Streams a worker opens at a time. A wall of dashboards reconnecting after a deploy opens a
-# thousand at once, and each costs the worker's one event loop most of a millisecond of
-# work (the request, the snapshot, the answer's start); the writes that arrive meanwhile
-# would wait behind all of it. Beyond this many, a stream waits its turn before any of that
-# work, so a write waits behind at most this many openings.
+# Streams one token opens at a time on a worker. A wall of dashboards reconnecting after a
+# deploy opens a thousand at once, and each costs the worker's one event loop most of a
+# millisecond of work (the request, the snapshot, the answer's start); the writes that arrive
+# meanwhile would wait behind all of it. Beyond this many, a token's stream waits its turn
+# before any of that work, so a write waits behind at most this many openings of each token.
 OPENING_AT_ONCE = 16
 
 
@@ -558,33 +558,49 @@ class SSEResponse(StreamingResponse):
 
 
 class Openings:
-    """ASGI middleware: at most `OPENING_AT_ONCE` streams of this worker between their request
-    and the start of their answer; the others wait, in order of arrival. None is refused: a
-    stream that waits costs nothing but its connection."""
+    """ASGI middleware, inside the access check: at most `OPENING_AT_ONCE` streams of one token
+    (or of anonymous access) on this worker between their request and the start of their
+    answer; its others wait, in order of arrival. None is refused: a stream that waits costs
+    nothing but its connection. One token's wall of streams so delays only its own, and a
+    request without a valid token is refused before it could wait here."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self._slots = asyncio.Semaphore(OPENING_AT_ONCE)
+        # By token id (None: anonymous): its gate, and how many streams hold or wait for it.
+        self._gates: dict[int | None, tuple[asyncio.Semaphore, list[int]]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not _is_stream(scope["path"]):
             await self.app(scope, receive, send)
             return
-        await self._slots.acquire()
+        holder = access.admission_of(scope).holder
+        slots, users = self._gates.setdefault(holder, (asyncio.Semaphore(OPENING_AT_ONCE), [0]))
+        users[0] += 1
+        try:
+            await self._opening(slots, scope, receive, send)
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._gates[holder]
+
+    async def _opening(
+        self, slots: asyncio.Semaphore, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        await slots.acquire()
         held = True
 
         async def started(message: Message) -> None:
             nonlocal held
             if held and message["type"] == "http.response.start":
                 held = False
-                self._slots.release()
+                slots.release()
             await send(message)
 
         try:
             await self.app(scope, receive, started)
         finally:
             if held:
-                self._slots.release()
+                slots.release()
 
 
 def _is_stream(path: str) -> bool:

@@ -118,6 +118,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         tracer = None if provider is None else tracing.start(provider)
 
         share = settings.pool_share_per_token or shares.default_share(settings.pool_size)
+        reserve = settings.pool_reserve
+        if reserve is None:
+            reserve = shares.default_reserve(settings.pool_size)
 
         def pool(conninfo: str, name: str) -> Pool:
             return Pool(
@@ -129,6 +132,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 on_change=functools.partial(observe.pool_changed, name),
                 tracer=tracer,
                 share=share,
+                tenant_share=settings.pool_share_per_tenant or share,
+                reserve=reserve,
                 configure=placement.configure,
             )
 
@@ -224,10 +229,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.session_seconds = settings.session_seconds
     errors.install(app)
+    # Streams opening at once wait their turn, per token: inside the access check, so a
+    # request without a valid token never waits there, and one token delays only its own.
+    app.add_middleware(live.Openings)
     app.add_middleware(AccessControl)
     app.add_middleware(ui.DashboardHeaders)  # outside the access check: its 401 page too
     app.add_middleware(Observe)
-    app.add_middleware(live.Openings)  # streams opening at once wait their turn
     # An answer before the body was read ends its connection (app/server.py), whoever answers.
     app.add_middleware(server.CloseAfterEarlyAnswer)
     # Server spans, outside every other middleware, only when tracing is on.

@@ -5,9 +5,11 @@ markup. The stylesheet and the small live-update script are served by the servic
 Access (README, "Dashboard"): the API's rules, plus a read token kept in an HttpOnly cookie.
 """
 
+import asyncio
 import json
 import math
 import re
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -18,23 +20,35 @@ from urllib.parse import parse_qs, quote, urlsplit
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import cursors, domain, sessions, static, tenancy
 from app import timeline as timescale
 from app.data import dashboard, reads, repairs, running, stats
-from app.data.dashboard import LANE_ATTEMPTS
 from app.db import AsyncConn
 from app.errors import Problem
 from app.limits import KEY_PREFIX_RE, KEY_RE, NAME_RE
 from app.replica import ReadPool
 from app.serialize import timestamp
+from app.shown import shown
 from app.timeline import Scale, duration
 
 HERE = Path(__file__).resolve().parent
 ASSETS = HERE / "assets"
+# The session's cookie: over https `__Host-` prefixed (the browser keeps it only when it is
+# Secure, for this host alone, on path `/`: no other host of the domain, and no page over
+# http, can set or shadow it); over plain http, where a cookie cannot be Secure and so
+# cannot have the prefix, the plain name. A request over https reads only the prefixed one.
 COOKIE = "steprecord_ui_token"
+SECURE_COOKIE = "__Host-" + COOKIE
+
+
+def cookie_name(secure: bool) -> str:
+    return SECURE_COOKIE if secure else COOKIE
+
+
 CSS = static.url("ui", "ui.css")
 JS = static.url("ui", "ui.js")
 LOGIN = "/ui/login"
@@ -182,11 +196,20 @@ def path(*parts: str) -> str:
     return "/ui/" + "/".join(quote(part, safe="") for part in parts)
 
 
+def _finalize(value: Any) -> Any:
+    """Every value a template prints, before it is escaped: client text with its terminal
+    escapes and bidirectional controls shown, never acted on (app/shown.py)."""
+    if type(value) is str:  # not Markup: what the templates themselves made
+        return shown(value)
+    return value
+
+
 ENV = Environment(
     loader=FileSystemLoader(HERE / "templates"),
     autoescape=True,
     trim_blocks=True,
     lstrip_blocks=True,
+    finalize=_finalize,
 )
 ENV.filters.update(
     utc=utc, iso=iso, millis=millis, pretty=pretty, step_label=lambda s: step_label(s)
@@ -200,9 +223,27 @@ ENV.globals.update(
 def render(
     request: Request | None, template: str, http_status: int = 200, **context: Any
 ) -> HTMLResponse:
-    signed_in = request is not None and COOKIE in request.cookies
+    signed_in = (
+        request is not None and cookie_name(request.url.scheme == "https") in request.cookies
+    )
     html = ENV.get_template(template).render(now=datetime.now(UTC), signed_in=signed_in, **context)
     return HTMLResponse(html, status_code=http_status)
+
+
+# Large pages (an instance's timeline, a step's attempts) are built and rendered in a thread,
+# this many at a time per worker: the event loop goes on serving other requests meanwhile
+# (the thread gives it the interpreter every few milliseconds), and three large pages asked at
+# once take turns rather than three threads' worth of the loop's time.
+RENDERS_AT_ONCE = 1
+
+
+async def render_aside(
+    request: Request, build: Callable[[], dict[str, Any]], template: str
+) -> HTMLResponse:
+    """`template` rendered with what `build()` returns, both in a thread (see above)."""
+    gate: asyncio.Semaphore = request.app.state.rendering
+    async with gate:
+        return await run_in_threadpool(lambda: render(request, template, **build()))
 
 
 def not_found(request: Request, what: str) -> HTMLResponse:
@@ -529,8 +570,9 @@ async def instances_page(request: Request) -> Response:
 
 async def _instance(
     request: Request, instance_key: str
-) -> tuple[dict[str, Any], list[dict[str, Any]], bool] | HTMLResponse:
-    """An instance with its first `MAX_STEPS` steps and whether it has more, or the 404 page."""
+) -> tuple[dict[str, Any], list[dict[str, Any]], int, int] | HTMLResponse:
+    """An instance with its first `MAX_STEPS` steps, how many it has in all, and how many
+    attempts a lane shows at most; or the 404 page."""
     if not KEY_RE.fullmatch(instance_key):
         return not_found(request, "No instance has that key.")
     async with read_connection(request) as conn:
@@ -539,8 +581,8 @@ async def _instance(
             instance = await reads.get_instance(conn, instance_key)
         except domain.InstanceNotFound:
             return not_found(request, f"No instance has the key {instance_key!r}.")
-        records, more = await dashboard.instance_steps(conn, instance["id"], limit=MAX_STEPS)
-    return instance, records, more
+        records, total, lane = await dashboard.instance_steps(conn, instance["id"], limit=MAX_STEPS)
+    return instance, records, total, lane
 
 
 @router.get("/ui/instances/{instance_key}")
@@ -548,26 +590,28 @@ async def instance_page(request: Request, instance_key: str) -> Response:
     found = await _instance(request, instance_key)
     if isinstance(found, HTMLResponse):
         return found
-    instance, records, more = found
+    instance, records, total, lane = found
     after: timedelta = request.app.state.long_running_after
-    lanes = timeline(instance_key, records, datetime.now(UTC), after)
-    return render(
-        request,
-        "instance.html",
-        title=instance_key,
-        instance=instance,
-        records=records,
-        more=more,
-        max_steps=MAX_STEPS,
-        # Steps retried more often than a lane draws: their newest attempts only.
-        cut=sum(r["attempt_count"] > len(r["attempts"]) == LANE_ATTEMPTS for r in records),
-        lane_attempts=LANE_ATTEMPTS,
-        timeline=lanes,
-        unleased=[r for chunk in lanes["chunks"] for r in chunk if r.unleased],
-        long_running_after=duration(after.total_seconds()),
-        stream=f"/v1/instances/{quote(instance_key, safe='')}/stream",
-        parts=path("instances", instance_key, "parts"),
-    )
+
+    def build() -> dict[str, Any]:
+        lanes = timeline(instance_key, records, datetime.now(UTC), after)
+        return {
+            "title": instance_key,
+            "instance": instance,
+            "records": records,
+            "total_steps": total,
+            "steps_api": "/v1" + path("instances", instance_key, "steps").removeprefix("/ui"),
+            # Steps retried more often than a lane draws: their newest attempts only.
+            "cut": sum(r["attempt_count"] > len(r["attempts"]) == lane for r in records),
+            "lane_attempts": lane,
+            "timeline": lanes,
+            "unleased": [r for chunk in lanes["chunks"] for r in chunk if r.unleased],
+            "long_running_after": duration(after.total_seconds()),
+            "stream": f"/v1/instances/{quote(instance_key, safe='')}/stream",
+            "parts": path("instances", instance_key, "parts"),
+        }
+
+    return await render_aside(request, build, "instance.html")
 
 
 @router.get("/ui/instances/{instance_key}/parts")
@@ -578,15 +622,16 @@ async def instance_parts(request: Request, instance_key: str) -> Response:
     found = await _instance(request, instance_key)
     if isinstance(found, HTMLResponse):
         return found
-    instance, records, _ = found
-    return render(
-        request,
-        "parts.html",
-        instance=instance,
-        timeline=timeline(
-            instance_key, records, datetime.now(UTC), request.app.state.long_running_after
-        ),
-    )
+    instance, records, _, _ = found
+    after: timedelta = request.app.state.long_running_after
+
+    def build() -> dict[str, Any]:
+        return {
+            "instance": instance,
+            "timeline": timeline(instance_key, records, datetime.now(UTC), after),
+        }
+
+    return await render_aside(request, build, "parts.html")
 
 
 @router.get("/ui/instances/{instance_key}/steps/{step_slug}")
@@ -608,18 +653,20 @@ async def step_page(request: Request, instance_key: str, step_slug: str) -> Resp
             return not_found(request, f"No instance has the key {instance_key!r}.")
         except domain.StepNotFound:
             return not_found(request, f"Instance {instance_key!r} has no step {step_slug!r}.")
-    return render(
-        request,
-        "step.html",
-        title=f"{step_slug} · {instance_key}",
-        record=record,
-        attempts=[shown_attempt(a, api) for a in attempts],
-        older=total - len(attempts),
-        repairs=repaired.items,
-        more_repairs=repaired.last is not None,
-        api=api,
-        trace_url=request.app.state.trace_url,
-    )
+
+    def build() -> dict[str, Any]:
+        return {
+            "title": f"{step_slug} · {instance_key}",
+            "record": record,
+            "attempts": [shown_attempt(a, api) for a in attempts],
+            "older": total - len(attempts),
+            "repairs": repaired.items,
+            "more_repairs": repaired.last is not None,
+            "api": api,
+            "trace_url": request.app.state.trace_url,
+        }
+
+    return await render_aside(request, build, "step.html")
 
 
 async def _across(request: Request, *, failed: bool) -> list[dict[str, Any]]:
@@ -823,8 +870,9 @@ def login_page(
     if target is None:
         query = scope.get("query_string", b"").decode("latin-1")
         target = scope["path"] + (f"?{query}" if query else "")
+    secure = scope.get("scheme") == "https"
     kept = any(
-        name == b"cookie" and token_from_cookie(value.decode("latin-1")) is not None
+        name == b"cookie" and token_from_cookie(value.decode("latin-1"), secure) is not None
         for name, value in scope["headers"]
     )
     reason = (detail or "").partition("; ")[2]
@@ -843,11 +891,13 @@ def _login_form(message: str | None, status: int, target: str | None) -> HTMLRes
     )
 
 
-def token_from_cookie(header: str) -> str | None:
-    """The dashboard's token from a `Cookie` header, if it carries one."""
+def token_from_cookie(header: str, secure: bool) -> str | None:
+    """The dashboard's session from a `Cookie` header of a request over https (`secure`) or
+    plain http, if it carries one under that scheme's name."""
+    wanted = cookie_name(secure)
     for part in header.split(";"):
         name, _, value = part.strip().partition("=")
-        if name == COOKIE and value:
+        if name == wanted and value:
             return value
     return None
 
@@ -907,7 +957,8 @@ async def login(request: Request) -> Response:
     expires = int(datetime.now(UTC).timestamp() + seconds)
     session = sessions.sign(request.app.state.session_secret, grant.token_id, grant.digest, expires)
     response = RedirectResponse(target, status_code=303)
-    response.set_cookie(COOKIE, session, max_age=int(seconds), **_cookie_flags(request))
+    flags = _cookie_flags(request)
+    response.set_cookie(cookie_name(flags["secure"]), session, max_age=int(seconds), **flags)
     return response
 
 
@@ -931,7 +982,8 @@ async def logout(request: Request) -> Response:
     if not same_origin(request):
         return render(request, "message.html", 403, title="Sign out", message=CROSS_SITE)
     response = RedirectResponse("/ui", status_code=303)
-    response.delete_cookie(COOKIE, **_cookie_flags(request))
+    flags = _cookie_flags(request)
+    response.delete_cookie(cookie_name(flags["secure"]), **flags)
     return response
 
 
@@ -975,6 +1027,7 @@ class DashboardHeaders:
 
 def install(app: FastAPI) -> None:
     static.mount(app, "ui", ASSETS)
+    app.state.rendering = asyncio.Semaphore(RENDERS_AT_ONCE)
     # The routes themselves, not an included router: every route of the app is then one entry
     # of `app.routes` (the unknown-route advice in app/errors.py reads them).
     app.router.routes.extend(router.routes)

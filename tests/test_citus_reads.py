@@ -80,7 +80,7 @@ def one_instance_reads(conn: psycopg.Connection[Any]) -> list[tuple[str, dict[st
         (page, {"key": KEY, "order": "started_at", "at": "-infinity"}),
         (page, {"key": KEY, "order": "started_at", "at": None}),
         (dashboard.INSTANCE_STEPS, {"instance_id": the_id, "limit": 11}),
-        (dashboard.INSTANCE_ATTEMPTS, {"instance_id": the_id, "last_ordinal": 10}),
+        (dashboard.INSTANCE_ATTEMPTS, {"instance_id": the_id, "last_ordinal": 10, "lane": 50}),
     ]
 
 

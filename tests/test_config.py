@@ -59,3 +59,12 @@ def test_prepared_statements_are_on_by_default_and_none_turns_them_off(
         monkeypatch.setenv("STEPRECORD_PREPARE_THRESHOLD", refused)
         with pytest.raises(ValidationError):
             Settings()
+
+
+def test_a_pool_reserve_as_large_as_the_pool_is_refused_naming_both_settings() -> None:
+    with pytest.raises(ValidationError) as refused:
+        Settings(pool_size=4, pool_reserve=4)
+    assert "STEPRECORD_POOL_RESERVE (4) must be smaller than STEPRECORD_POOL_SIZE (4)" in str(
+        refused.value
+    )
+    assert Settings(pool_size=4, pool_reserve=3).pool_reserve == 3

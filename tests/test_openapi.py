@@ -84,6 +84,14 @@ def test_swagger_ui_is_served(client: httpx.Client) -> None:
     assert "swagger" in response.text.lower()
 
 
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/docs/oauth2-redirect"])
+def test_the_docs_pages_may_not_be_framed_by_another_site(client: httpx.Client, path: str) -> None:
+    response = client.get(path)
+    assert response.status_code == 200
+    assert response.headers["x-frame-options"] == "DENY"
+    assert response.headers["content-security-policy"] == "frame-ancestors 'none'"
+
+
 @schema.parametrize()
 @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
 def test_the_live_app_never_answers_5xx_and_matches_its_schema(case: Any, server_url: str) -> None:

@@ -100,3 +100,110 @@ def test_a_token_whose_connections_cannot_open_gets_503_not_429(own_database: st
                 problem(answer, 503, "unavailable")
         finally:
             stop(proc)
+
+
+def create_tenant_token(database_url: str, name: str, prefix: str) -> str:
+    done = steprecord(database_url, "token", "create", name, "--scope", "write", "--prefix", prefix)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+LOCK_RECORD = (
+    "SELECT r.id FROM workflow_step_record r JOIN process_instance p"
+    " ON p.id = r.instance_id WHERE p.id = steprecord_instance_id(%s)"
+    " AND r.instance_id = steprecord_instance_id(%s) AND p.instance_key = %s"
+    " FOR UPDATE OF r"
+)
+
+
+def flood_locked(
+    database_url: str,
+    url: str,
+    flooders: list[tuple[str, str]],
+    calm: str,
+    calm_key: str,
+    *,
+    blocked: int,
+) -> list[httpx.Response]:
+    """Each (token, key) of `flooders` sends `FLOOD` writes to its key's record, which a
+    transaction of the test holds locked; once `blocked` of them wait on the lock, the `calm`
+    token writes and reads five times, each answered at once. The flooders' answers."""
+    watcher: Watcher = psycopg.connect(node_of(database_url, flooders[0][1]), autocommit=True)
+    clients = [client(url, token) for token, _ in flooders]
+    try:
+        for (_, key), flooder in zip(flooders, clients, strict=True):
+            steps = f"/v1/instances/{key}/steps/a"
+            assert flooder.post(f"{steps}/start", json={"attempt": 1}).status_code == 201
+        with (
+            psycopg.connect(database_url) as holder,
+            ThreadPoolExecutor(FLOOD * len(flooders)) as threads,
+            client(url, calm) as other,
+        ):
+            for _, key in flooders:
+                holder.execute(LOCK_RECORD, (key, key, key))
+            body = {"attempt": 1, "output": {"n": 1}}
+            sent = [
+                threads.submit(flooder.post, f"/v1/instances/{key}/steps/a/complete", json=body)
+                for (_, key), flooder in zip(flooders, clients, strict=True)
+                for _ in range(FLOOD)
+            ]
+            try:
+                eventually(lambda: lock_waits(watcher) >= blocked, what="blocked writes")
+                for n in range(5):
+                    path = f"/v1/instances/{calm_key}/steps/s{n}/start"
+                    assert other.post(path, json={"attempt": 1}).status_code == 201
+                    read = other.get(f"/v1/instances/{calm_key}/steps")
+                    assert read.status_code == 200, read.text
+                eventually(
+                    lambda: sum(f.done() for f in sent) == len(sent) - blocked,
+                    what="the requests beyond the blocked ones answered",
+                )
+                assert lock_waits(watcher) == blocked
+            finally:
+                holder.rollback()
+            return [f.result() for f in sent]
+    finally:
+        for flooder in clients:
+            flooder.close()
+        watcher.close()
+
+
+def test_two_tokens_of_one_tenant_share_its_part_of_the_pool_and_another_tenant_goes_on(
+    own_database: str,
+) -> None:
+    """Tokens of one key prefix together hold at most the tenant's share (half the pool of 4
+    by default): their requests beyond get 429 naming STEPRECORD_POOL_SHARE_PER_TENANT."""
+    suffix = uuid.uuid4().hex[:8]
+    tenant = f"acme-{suffix}:"
+    first = create_tenant_token(own_database, f"acme-a-{suffix}", tenant)
+    second = create_tenant_token(own_database, f"acme-b-{suffix}", tenant)
+    calm = create_tenant_token(own_database, f"globex-{suffix}", f"globex-{suffix}:")
+    url, proc = start_server(own_database, env=ENV)
+    try:
+        flooders = [(first, f"{tenant}one"), (second, f"{tenant}two")]
+        answers = flood_locked(
+            own_database, url, flooders, calm, f"globex-{suffix}:calm", blocked=2
+        )
+    finally:
+        stop(proc)
+    assert sorted(a.status_code for a in answers) == [200, 200] + [429] * (2 * FLOOD - 2)
+    details = [problem(a, 429, "token_busy")["detail"] for a in answers if a.status_code == 429]
+    assert any("STEPRECORD_POOL_SHARE_PER_TENANT" in detail for detail in details)
+
+
+def test_two_busy_tokens_leave_the_reserve_to_a_third(own_database: str) -> None:
+    """A pool of 4 with shares of 2: two flooding tokens take 3 connections, not 4; the
+    last (STEPRECORD_POOL_RESERVE, 1 by default) goes only to a token holding none."""
+    suffix = uuid.uuid4().hex[:8]
+    first = create_token(own_database, f"busy-a-{suffix}")
+    second = create_token(own_database, f"busy-b-{suffix}")
+    calm = create_token(own_database, f"third-{suffix}")
+    url, proc = start_server(own_database, env=ENV)
+    try:
+        flooders = [(first, f"busy-a-{suffix}"), (second, f"busy-b-{suffix}")]
+        answers = flood_locked(own_database, url, flooders, calm, f"third-{suffix}", blocked=3)
+    finally:
+        stop(proc)
+    statuses = sorted(a.status_code for a in answers)
+    assert statuses.count(200) == 3
+    assert set(statuses) <= {200, 429, 503}

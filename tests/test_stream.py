@@ -776,6 +776,76 @@ def test_streams_opening_at_once_wait_their_turn_beyond_a_few_and_all_open(
     asyncio.run(main())
 
 
+def test_one_tokens_wall_of_opening_streams_does_not_hold_up_another_tokens_stream(
+    server_dsn: str,
+) -> None:
+    """The opening gate is per token and after the access check: while one token's streams
+    wait their turn (more than `OPENING_AT_ONCE` of them, their snapshots held up), another
+    token's stream passes the gate at once."""
+    count = live.OPENING_AT_ONCE + 3
+    with migrated_database(server_dsn, "steprecord_gate_tokens_") as url:
+        seed_records(url, "gate", ["a"])
+        secrets = {}
+        with psycopg.connect(url, autocommit=True) as conn:
+            for name in ("wall", "other"):
+                token, digest = new_token()
+                conn.execute(
+                    "INSERT INTO api_token (name, scope, token_sha256) VALUES (%s, 'read', %s)",
+                    (name, digest),
+                )
+                secrets[name] = token
+
+        async def main() -> None:
+            app = create_app(Settings(database_url=url))
+            gone = asyncio.Event()
+            started: list[str] = []
+
+            async def stream(name: str) -> None:
+                asked = False
+
+                async def receive() -> dict[str, Any]:
+                    nonlocal asked
+                    if not asked:
+                        asked = True
+                        return {"type": "http.request", "body": b"", "more_body": False}
+                    await gone.wait()
+                    return {"type": "http.disconnect"}
+
+                async def send(message: MutableMapping[str, Any]) -> None:
+                    if message["type"] == "http.response.start":
+                        started.append(name)
+
+                scope = asgi_scope("GET", "/v1/instances/gate/stream")
+                scope["headers"].append((b"authorization", f"Bearer {secrets[name]}".encode()))
+                await app(scope, receive, send)
+
+            def opening() -> int:
+                return sum(len(read.afters) for read in live._forming.values())
+
+            async def until(check: Callable[[], bool]) -> None:
+                for _ in range(int(WAIT / 0.01)):
+                    if check():
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError("timed out waiting")
+
+            async with app.router.lifespan_context(app), contextlib.AsyncExitStack() as held:
+                pool: Pool = app.state.pool
+                for _ in range(pool.size):  # the snapshots wait for a connection meanwhile
+                    await held.enter_async_context(pool.connection())
+                tasks = [asyncio.create_task(stream("wall")) for _ in range(count)]
+                await until(lambda: opening() == live.OPENING_AT_ONCE)
+                tasks.append(asyncio.create_task(stream("other")))
+                await until(lambda: opening() == live.OPENING_AT_ONCE + 1)
+                assert not started
+                await held.aclose()
+                await until(lambda: len(started) == count + 1)
+                gone.set()
+                await asyncio.gather(*tasks)
+
+        asyncio.run(main())
+
+
 # --- a stream's memory is bounded by what it sends, not by what the instance holds ----------
 
 # `{"blob": "xx…x"}` as the database writes it: exactly the largest inline output.

@@ -5,6 +5,7 @@ chromium the browser tests are skipped, except in CI (`CI=true`), where they fai
 Screenshots go to tests/artifacts/ (ignored by git, kept by CI).
 """
 
+import json
 import re
 import time
 import uuid
@@ -23,6 +24,7 @@ from app import sessions
 from app.access import new_token
 from app.cli import migrate
 from app.data import dashboard, reads
+from app.shown import shown
 from tests.helpers import (
     T0,
     T1,
@@ -217,6 +219,54 @@ def test_the_instance_page_draws_the_newest_50_attempts_of_a_step_and_says_so(
     assert "1 step has more than 50 attempts: the timeline draws the newest 50" in page
 
 
+def send_batches(client: httpx.Client, events: list[dict[str, Any]]) -> None:
+    for start in range(0, len(events), 250):
+        answer = client.post("/v1/events", json={"events": events[start : start + 250]})
+        assert answer.status_code == 200, answer.text
+        assert all(r["status"] in (200, 201) for r in answer.json()["results"])
+
+
+def test_an_instance_page_of_many_retried_steps_draws_at_most_5000_bars_and_says_so(
+    client: httpx.Client,
+) -> None:
+    """120 steps of 45 attempts: each lane draws its newest 41 (5,000 bars over 120 lanes),
+    not 5,400, and the page says so."""
+    steps, tries = 120, 45
+    send_batches(
+        client,
+        [
+            {
+                "instance_key": "retried",
+                "step_slug": f"s{n:03}",
+                "kind": "fail",
+                "attempt": attempt,
+                "started_at": T0,
+                "completed_at": T1,
+                "error_code": "E",
+            }
+            for n in range(steps)
+            for attempt in range(1, tries + 1)
+        ],
+    )
+    page = html(client, "/ui/instances/retried")
+    lane = 5000 // steps
+    assert len(re.findall(r'data-attempt="(\d+)"', page)) == steps * lane
+    assert f"{steps} steps have more than {lane} attempts: the timeline draws the newest" in page
+
+
+def test_an_instance_page_shows_its_first_1000_steps_and_says_how_many_it_has(
+    client: httpx.Client,
+) -> None:
+    send_batches(
+        client,
+        [{"instance_key": "wide", "step_slug": f"s{n:04}", "kind": "declare"} for n in range(1003)],
+    )
+    page = unescape(html(client, "/ui/instances/wide"))
+    assert page.count("<tr data-step=") == 1000
+    assert "Showing the first 1,000 of 1,003 steps; the API lists every one" in page
+    assert 'href="/v1/instances/wide/steps"' in page
+
+
 def test_outputs_and_errors_are_text_never_markup(client: httpx.Client) -> None:
     assert post(client, "start", None, "x-1", "a").is_success
     output = {"html": SCRIPT, "img": IMAGE}
@@ -229,6 +279,34 @@ def test_outputs_and_errors_are_text_never_markup(client: httpx.Client) -> None:
         assert "<script>window" not in page
         assert "<img" not in page
         assert "&lt;script&gt;window.pwned = 1&lt;/script&gt;" in page or "&lt;img" in page
+
+
+# A terminal's clear-screen and red, a C1 CSI, and a right-to-left override with its isolate.
+CONTROLS = "\x1b[2J\x1b[31mred\x9b0m \u202egnp.exe\u2069 done\r"
+CONTROLS_SHOWN = "\\u001b[2J\\u001b[31mred\\u009b0m \\u202egnp.exe\\u2069 done\\u000d"
+
+
+def test_terminal_escapes_and_bidi_controls_are_shown_never_acted_on() -> None:
+    assert shown(CONTROLS) == CONTROLS_SHOWN
+    assert shown("line 1\r\nline 2\n\tindented é ✓ عربى") == "line 1\r\nline 2\n\tindented é ✓ عربى"
+    assert json.loads(shown(json.dumps({"m": CONTROLS}, ensure_ascii=False))) == {"m": CONTROLS}
+
+
+def test_a_reason_s_and_an_output_s_escapes_and_bidi_controls_are_shown_as_text(
+    client: httpx.Client,
+) -> None:
+    assert post(client, "start", None, "ctl", "a").is_success
+    assert post(client, "complete", {"output": {"note": CONTROLS}}, "ctl", "a").is_success
+    assert post(client, "start", None, "ctl", "b").is_success
+    failure = {"error_code": "Boom", "error_message": CONTROLS}
+    assert post(client, "fail", failure, "ctl", "b").is_success
+    for path in ("/ui/instances/ctl", "/ui/instances/ctl/steps/a", "/ui/instances/ctl/steps/b"):
+        page = unescape(html(client, path))
+        assert not re.search("[\x1b\x9b\u202e\u2069\r]", page), path
+        assert "\\u001b[2J\\u001b[31mred\\u009b0m \\u202egnp.exe\\u2069 done" in page, path
+    failing = unescape(html(client, "/ui/failing"))
+    assert "\\u202egnp.exe" in failing
+    assert "\u202e" not in failing
 
 
 def test_an_external_output_is_a_link_only_for_http_and_https(client: httpx.Client) -> None:
@@ -365,11 +443,11 @@ def login(url: str, token: str, **headers: str) -> httpx.Response:
     )
 
 
-def session_of(answer: httpx.Response) -> str:
-    """The dashboard's session a sign-in answer sets in its cookie."""
+def session_of(answer: httpx.Response, name: str = "steprecord_ui_token") -> str:
+    """The dashboard's session a sign-in answer sets in its cookie (`name`: over plain http)."""
     value = answer.headers["set-cookie"].split(";")[0]
-    name, _, session = value.partition("=")
-    assert name == "steprecord_ui_token"
+    named, _, session = value.partition("=")
+    assert named == name
     return session
 
 
@@ -418,6 +496,28 @@ def test_the_cookie_is_secure_when_the_request_was_https(guarded: tuple[str, str
     assert answer.status_code == 303
     flags = {part.strip().lower() for part in answer.headers["set-cookie"].split(";")[1:]}
     assert "secure" in flags
+    assert "path=/" in flags
+    assert not any(flag.startswith("domain") for flag in flags)
+
+
+def test_over_https_the_session_is_a_host_prefixed_cookie_and_only_that_one_is_read(
+    guarded: tuple[str, str, str],
+) -> None:
+    """`__Host-` over https: no other host of the domain and no page over http can set it. A
+    cookie of the plain name (one planted over http) is no session over https."""
+    url, read, _ = guarded
+    https = {"X-Forwarded-Proto": "https"}
+    session = session_of(login(url, read, **https), "__Host-steprecord_ui_token")
+    signed_in = httpx.get(
+        f"{url}/ui", headers=https, cookies={"__Host-steprecord_ui_token": session}
+    )
+    assert signed_in.status_code == 200
+    assert "Log out" in signed_in.text
+    planted = httpx.get(f"{url}/ui", headers=https, cookies={"steprecord_ui_token": session})
+    assert planted.status_code == 401
+    assert "Sign in" in planted.text
+    plain = session_of(login(url, read))  # over plain http: the plain name, not Secure
+    assert httpx.get(f"{url}/ui", cookies={"steprecord_ui_token": plain}).status_code == 200
 
 
 def test_the_cookie_never_grants_write_even_for_a_write_token(
@@ -655,6 +755,7 @@ def test_the_instance_and_step_pages_read_steps_and_attempts_by_index(
             "limit": 1001,
             "last_ordinal": 2,
             "record_id": 500,
+            "lane": dashboard.LANE_ATTEMPTS,
         }
         text = plan(many_instances, query, params)
         assert "Seq Scan" not in text, text

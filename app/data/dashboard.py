@@ -30,9 +30,11 @@ WHERE r.instance_id = %(instance_id)s
 ORDER BY r.ordinal
 LIMIT %(limit)s
 """
-# The newest `LANE_ATTEMPTS` of each step, oldest first (a step retried without end does not
-# make the page read every attempt it ever had).
+# The newest attempts of each step, oldest first: at most `LANE_ATTEMPTS`, and fewer when the
+# page has many steps, so that it draws at most about `BARS` bars (a step retried without end
+# does not make the page read every attempt it ever had, nor 1,000 such steps 50,000 bars).
 LANE_ATTEMPTS = 50
+BARS = 5000
 INSTANCE_ATTEMPTS = f"""
 SELECT r.id AS record_id, a.*
 FROM workflow_step_record r
@@ -42,37 +44,51 @@ CROSS JOIN LATERAL (
     FROM workflow_step_attempt a
     WHERE a.instance_id = %(instance_id)s AND a.record_id = r.id
     ORDER BY a.attempt DESC
-    LIMIT {LANE_ATTEMPTS}
+    LIMIT %(lane)s
 ) a
 WHERE r.instance_id = %(instance_id)s AND r.ordinal <= %(last_ordinal)s
 ORDER BY r.id, a.attempt
 """
 
 
+COUNT_STEPS = "SELECT count(*) AS steps FROM workflow_step_record WHERE instance_id = %s"
+
+
+def lane_attempts(steps: int) -> int:
+    """How many of each step's newest attempts a page of `steps` steps draws."""
+    return max(1, min(LANE_ATTEMPTS, BARS // max(steps, 1)))
+
+
 async def instance_steps(
     conn: AsyncConn, instance_id: int, *, limit: int
-) -> tuple[list[dict[str, Any]], bool]:
+) -> tuple[list[dict[str, Any]], int, int]:
     """The first `limit` records of an instance in ordinal order, each with `attempts` (its
-    newest `LANE_ATTEMPTS`, oldest first); True when the instance has more."""
+    newest `lane_attempts(...)`, oldest first); how many records the instance has in all; and
+    how many attempts a lane holds at most."""
     cur = await conn.execute(INSTANCE_STEPS, {"instance_id": instance_id, "limit": limit + 1})
     records = await cur.fetchall()
-    more = len(records) > limit
+    total = len(records)
+    if total > limit:
+        cur = await conn.execute(COUNT_STEPS, (instance_id,))
+        counted = await cur.fetchone()
+        total = max(int(counted["steps"]) if counted else 0, total)
     records = records[:limit]
+    lane = lane_attempts(len(records))
     if not records:
-        return [], more
+        return [], total, lane
     by_id: dict[int, dict[str, Any]] = {}
     for record in records:
         record["attempts"] = []
         by_id[record["id"]] = record
     cur = await conn.execute(
         INSTANCE_ATTEMPTS,
-        {"instance_id": instance_id, "last_ordinal": records[-1]["ordinal"]},
+        {"instance_id": instance_id, "last_ordinal": records[-1]["ordinal"], "lane": lane},
     )
     for attempt in await cur.fetchall():
         owner = by_id.get(attempt.pop("record_id"))
         if owner is not None:
             owner["attempts"].append(attempt)
-    return records, more
+    return records, total, lane
 
 
 # The step page: an output's first `OUTPUT_HEAD` bytes (the API has it whole), and attempts

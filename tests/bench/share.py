@@ -1,21 +1,25 @@
-"""Two tokens, one flooding the pool: the other's latency alone and under the flood.
+"""Tokens flooding the pool: a calm token's latency alone and under their floods.
 
 Run from the repository root: `.venv-test/bin/python -m tests.bench.share [--seconds 10]`.
-On a fresh database (the server in `DATABASE_URL`, or an embedded PostgreSQL) it creates two
-write tokens and, for each configuration (the default share of the pool, half of its 10
-connections; and no share to speak of, `STEPRECORD_POOL_SHARE_PER_TOKEN=10`), starts
-`steprecord serve` (one worker) and measures the calm token: one client sending, one after
-the other, a `start` of a new step and a read of its instance's first page, for `--seconds`:
+On a fresh database (the server in `DATABASE_URL`, or an embedded PostgreSQL) it creates a
+calm write token, two flooding ones, and two flooding ones of one tenant (key prefix
+`acme:`), and, for each configuration (the shares of the pool, half of its 10 connections,
+with no reserve as before it existed, then with the default reserve of 2; and no share to
+speak of, `STEPRECORD_POOL_SHARE_PER_TOKEN=10` and no reserve), starts `steprecord serve` (one
+worker) and measures the calm token: one client sending, one after the other, a `start` of a
+new step and a read of its instance's first page, for `--seconds`:
 
 - alone: nothing else runs;
-- under a flood of blocked writes: the flooding token keeps 40 `complete` requests in flight
+- under a flood of blocked writes: one flooding token keeps 40 `complete` requests in flight
   on a record whose row lock this process holds (each waits until the 5 s statement timeout,
   then is sent again), a client taking every connection it is given and holding it;
+- two tokens blocked: the two flooding tokens do so at once (40 requests each);
+- one tenant blocked: the two flooding tokens of `acme:` do so at once, on a record of theirs;
 - under a flood of batches: the flooding token keeps 40 `POST /v1/events` of 200 new steps
   each in flight, sending each again as soon as it is answered.
 
 It reports, per configuration and load, the calm token's requests per second, p50, p99 and
-its answers other than 2xx; and how the flooding token's requests were answered.
+its answers other than 2xx; and how the flooding tokens' requests were answered.
 """
 
 from __future__ import annotations
@@ -42,12 +46,22 @@ from tests.helpers import start_server, steprecord, stop  # noqa: E402
 
 FLOOD = 40
 BATCH = 200
-# STEPRECORD_POOL_SHARE_PER_TOKEN of each configuration (None: the default, half the pool).
-CONFIGURATIONS = {"share 5 of 10 (default)": None, "no share (10 of 10)": "10"}
+# The settings of each configuration (beside a pool of 10).
+CONFIGURATIONS: dict[str, dict[str, str]] = {
+    "shares 5 of 10, no reserve (before the reserve)": {"STEPRECORD_POOL_RESERVE": "0"},
+    "shares 5 of 10, reserve 2 (default)": {},
+    "no share (10 of 10), no reserve": {
+        "STEPRECORD_POOL_SHARE_PER_TOKEN": "10",
+        "STEPRECORD_POOL_RESERVE": "0",
+    },
+}
+LOADS = ("alone", "blocked", "two tokens blocked", "one tenant blocked", "batches")
+TENANT = "acme:"
 
 
-def token(url: str, name: str) -> str:
-    done = steprecord(url, "token", "create", name, "--scope", "write")
+def token(url: str, name: str, prefix: str | None = None) -> str:
+    reach = () if prefix is None else ("--prefix", prefix)
+    done = steprecord(url, "token", "create", name, "--scope", "write", *reach)
     if done.returncode != 0:
         raise SystemExit(done.stderr)
     return done.stdout.strip()
@@ -121,22 +135,33 @@ async def flood(
 
 
 async def measure(
-    base: str, calm_token: str, flood_token: str, kind: str, locked: str, seconds: float
+    base: str, calm_token: str, floods: list[tuple[str, str]], kind: str, seconds: float
 ) -> str:
-    if kind == "alone":
+    """The calm token's figures while each (token, locked key) of `floods` floods as `kind`
+    says (none: alone)."""
+    if not floods:
         found = await calm(base, calm_token, seconds)
         flooded: Counter[int] = Counter()
     else:
         stop_at = asyncio.Event()
-        flooding = asyncio.create_task(flood(base, flood_token, kind, locked, stop_at))
+        flooding = [
+            asyncio.create_task(flood(base, secret, kind, locked, stop_at))
+            for secret, locked in floods
+        ]
         await asyncio.sleep(2)  # the flood under way
         found = await calm(base, calm_token, seconds)
         stop_at.set()
-        flooded = await flooding
+        flooded = sum([await task for task in flooding], Counter())
     return (
-        f"| {kind} | {found['rate']:.0f} | {found['p50']:.1f} | {found['p99']:.1f}"
+        f"| {found['rate']:.0f} | {found['p50']:.1f} | {found['p99']:.1f}"
         f" | {found['not_2xx'] or 'none'} | {dict(sorted(flooded.items())) or '—'} |"
     )
+
+
+LOCK = (
+    "SELECT r.id FROM workflow_step_record r JOIN process_instance p"
+    " ON p.id = r.instance_id WHERE p.instance_key = ANY(%s) FOR UPDATE OF r"
+)
 
 
 def main() -> None:
@@ -144,38 +169,44 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
     with database() as url:
-        calm_token, flood_token = token(url, "calm"), token(url, "flood")
-        for name, share in CONFIGURATIONS.items():
-            env = {"STEPRECORD_SWEEP_SECONDS": "0", "STEPRECORD_POOL_SIZE": "10"}
-            if share is not None:
-                env["STEPRECORD_POOL_SHARE_PER_TOKEN"] = share
-            locked = "locked-" + uuid.uuid4().hex[:8]  # a record no earlier flood completed
+        calm_token = token(url, "calm")
+        flooders = [token(url, "flood"), token(url, "flood-2")]
+        tenant = [token(url, "acme-a", TENANT), token(url, "acme-b", TENANT)]
+        for name, settings in CONFIGURATIONS.items():
+            env = {"STEPRECORD_SWEEP_SECONDS": "0", "STEPRECORD_POOL_SIZE": "10", **settings}
+            # Records no earlier flood completed: one for the tokens, one in the tenant's prefix.
+            locked = "locked-" + uuid.uuid4().hex[:8]
+            tenant_locked = TENANT + locked
             base, proc = start_server(url, env=env)
             try:
                 with httpx.Client(base_url=base, timeout=60) as setup:
-                    auth = {"Authorization": f"Bearer {flood_token}"}
-                    setup.post(
-                        f"/v1/instances/{locked}/steps/a/start",
-                        json={"attempt": 1},
-                        headers=auth,
-                    ).raise_for_status()
+                    for secret, key in ((flooders[0], locked), (tenant[0], tenant_locked)):
+                        setup.post(
+                            f"/v1/instances/{key}/steps/a/start",
+                            json={"attempt": 1},
+                            headers={"Authorization": f"Bearer {secret}"},
+                        ).raise_for_status()
                 print(f"\n{name}\n")
                 print("| load | calm req/s | p50 ms | p99 ms | calm not 2xx | flood answers |")
                 print("|---|---|---|---|---|---|")
-                for kind in ("alone", "blocked", "batches"):
+                for kind in LOADS:
+                    floods = {
+                        "alone": [],
+                        "blocked": [(flooders[0], locked)],
+                        "two tokens blocked": [(secret, locked) for secret in flooders],
+                        "one tenant blocked": [(secret, tenant_locked) for secret in tenant],
+                        "batches": [(flooders[0], locked)],
+                    }[kind]
+                    flooding = "batches" if kind == "batches" else "blocked"
                     with psycopg.connect(url) as holder:
-                        holder.execute(
-                            "SELECT r.id FROM workflow_step_record r JOIN process_instance p"
-                            " ON p.id = r.instance_id WHERE p.instance_key = %s FOR UPDATE OF r",
-                            (locked,),
-                        )
-                        if kind != "blocked":
+                        holder.execute(LOCK, ([locked, tenant_locked],))
+                        if kind in ("alone", "batches"):
                             holder.rollback()
                         line = asyncio.run(
-                            measure(base, calm_token, flood_token, kind, locked, args.seconds)
+                            measure(base, calm_token, floods, flooding, args.seconds)
                         )
                         holder.rollback()
-                    print(line, flush=True)
+                    print(f"| {kind} {line}", flush=True)
             finally:
                 stop(proc)
 
