@@ -17,8 +17,9 @@
 --     written only by those triggers, and a finished attempt never changes.
 
 -- After a record is inserted: its attempt, unless it is pending (a pending record has no
--- attempt yet: the trigger's WHEN skips it). The upsert is shared with _update below: an
--- attempt row exists from the moment its attempt starts and is brought up to date by every
+-- attempt yet: the trigger's WHEN skips it). _update below repeats this upsert word for word
+-- (a trigger function calling a shared one would cost a second call per row; a change of one
+-- is a change of both): an attempt row exists from the moment its attempt starts and is brought up to date by every
 -- write of its record; the WHERE skips writes that change nothing the history shows. A
 -- running attempt mirrors the record's lease; a finished one keeps the last lease it held.
 -- An entry written names its record's writer (reported_by = the record's updated_by):

@@ -15,7 +15,9 @@
 -- be created; the judge answers its events `instance_key_collision` (steprecord_apply_events).
 --
 -- IMMUTABLE: the id of a key never changes (convert_to names its encoding; keys are ASCII).
--- One expression, not STRICT: PostgreSQL inlines it into the statements that call it.
+-- PostgreSQL does not inline it (convert_to is STABLE, and an IMMUTABLE function whose body
+-- calls a STABLE one is not inlined: EXPLAIN VERBOSE shows the call), so a statement calls it
+-- once per key it computes; given a constant key, the planner computes it once, when it plans.
 CREATE OR REPLACE FUNCTION steprecord_instance_id(p_key text) RETURNS bigint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $fn$

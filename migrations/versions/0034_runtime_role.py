@@ -17,6 +17,10 @@ deletion of an instance and pruning's three steps become functions (`sweeper.sql
 (`steprecord_by_owner`, `owner_rights.sql`): a role later granted write rights on a table
 still cannot pass for the judge; the owner's own repairs by hand are audited as before.
 
+Two comments of the source are made true on the way, which freezes their files again
+unchanged in what they run: `instance_id.sql` (PostgreSQL does not inline the function) and
+`attempt_history.sql` (the history's upsert is written twice, not shared).
+
 Frozen in `0034_runtime_role.up.sql` by `python -m app.sql freeze 0034_runtime_role`; the
 downgrade drops the new functions and restores the previous text (`.down.sql`), which gives
 EXECUTE on the judge's functions back to PUBLIC (a function made again by CREATE OR REPLACE
