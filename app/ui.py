@@ -202,6 +202,7 @@ def render(
 # (the thread gives it the interpreter every few milliseconds), and three large pages asked at
 # once take turns rather than three threads' worth of the loop's time.
 RENDERS_AT_ONCE = 1
+SWITCH_SECONDS = 0.001  # the worker's interpreter switch interval (app/main.py)
 
 
 async def render_aside(
