@@ -149,8 +149,8 @@ def to_problem(exc: Exception) -> Problem:
         return Problem(
             429,
             "token_busy",
-            f"{exc}: wait for this token's other requests to finish (Retry-After), send fewer at"
-            " once, or give each client a token of its own",
+            f"{exc}: wait for its other requests to finish (Retry-After), send fewer at once, or"
+            " give each client a token of its own",
         )
     if isinstance(exc, DatabaseUnavailable):
         # The driver's text names the database's host, port, user and database: it goes to

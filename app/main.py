@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import functools
 import secrets
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -114,6 +115,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.database_url is None:
             raise RuntimeError("DATABASE_URL is not set (`steprecord serve` sets it for you)")
         primary_url = settings.database_url.get_secret_value()
+        # A page rendered in a thread (app/ui.py) gives the event loop the interpreter back
+        # within a millisecond, not Python's default 5: each request the loop serves meanwhile
+        # waits for it several times (accepting, reading, each query, answering).
+        sys.setswitchinterval(ui.SWITCH_SECONDS)
         # Tracing on: this worker exports its spans from now until it stops (app/tracing.py).
         tracer = None if provider is None else tracing.start(provider)
 

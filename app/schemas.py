@@ -158,7 +158,10 @@ def problem_media_types(document: dict[str, Any]) -> dict[str, Any]:
     return document
 
 
-BUSY = _problem("This token's share of the database connections is in use (with Retry-After)")
+BUSY = _problem(
+    "This token's (or its key prefix's) share of the database connections is in use (with"
+    " Retry-After)"
+)
 
 
 def event_responses() -> dict[int | str, dict[str, Any]]:

@@ -232,9 +232,10 @@ def render(
 
 # Large pages (an instance's timeline, a step's attempts) are built and rendered in a thread,
 # this many at a time per worker: the event loop goes on serving other requests meanwhile
-# (the thread gives it the interpreter every few milliseconds), and three large pages asked at
-# once take turns rather than three threads' worth of the loop's time.
+# (the thread hands it the interpreter back within `SWITCH_SECONDS`), and three large pages
+# asked at once take turns rather than three threads' worth of the loop's time.
 RENDERS_AT_ONCE = 1
+SWITCH_SECONDS = 0.001  # the worker's interpreter switch interval (app/main.py)
 
 
 async def render_aside(

@@ -45,7 +45,7 @@ import httpx  # noqa: E402
 from tests.helpers import create_database, drop_database, free_port, stop, wait_ready  # noqa: E402
 
 STEPS, ATTEMPTS = 1000, 50
-ENV = {"STEPRECORD_SWEEP_SECONDS": "0"}
+ENV = {"STEPRECORD_SWEEP_SECONDS": "0", "STEPRECORD_STATEMENT_TIMEOUT": "60"}
 
 
 @contextmanager
@@ -87,7 +87,7 @@ def stamp(value: datetime) -> str:
 
 
 def load(base: str, token: str) -> None:
-    """The heavy instance (in batches of 500, two at a time) and the calm one."""
+    """The heavy instance (in batches of 100, two at a time) and the calm one."""
     began = datetime.now(UTC) - timedelta(days=1)
     events: list[dict[str, Any]] = []
     for step in range(STEPS):
@@ -107,8 +107,8 @@ def load(base: str, token: str) -> None:
             )
     events += [{"instance_key": "calm", "step_slug": f"s{n}", "kind": "declare"} for n in range(10)]
     headers = {"Authorization": f"Bearer {token}"}
-    # A step's events stay in one batch, in order: each batch holds 10 whole steps.
-    batches = [events[i : i + 500] for i in range(0, len(events), 500)]
+    # A step's events stay in one batch, in order: each batch holds 2 whole steps.
+    batches = [events[i : i + 100] for i in range(0, len(events), 100)]
     with httpx.Client(base_url=base, headers=headers, timeout=300) as client:
 
         def send(batch: list[dict[str, Any]]) -> None:
@@ -180,18 +180,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", type=Path, help="a tree of an earlier commit, measured too")
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--database", help="a database this benchmark loaded and kept: reused")
+    parser.add_argument("--keep", action="store_true", help="keep the database it loads")
     args = parser.parse_args()
     server_dsn = os.environ.get("DATABASE_URL")
     if not server_dsn:
         raise SystemExit("set DATABASE_URL to a PostgreSQL server (the benchmark makes a database)")
     trees = {"this tree": ROOT, **({"base": args.base.resolve()} if args.base else {})}
     name = "steprecord_bench_heavy_" + uuid.uuid4().hex[:6]
-    url = create_database(server_dsn, name)
+    url = args.database or create_database(server_dsn, name)
     try:
-        with served(ROOT, url) as (base, tokens):
-            began = time.monotonic()
-            load(base, tokens[0])
-            print(f"loaded {STEPS * ATTEMPTS} attempts in {time.monotonic() - began:.0f} s")
+        if not args.database:
+            with served(ROOT, url) as (base, tokens):
+                began = time.monotonic()
+                load(base, tokens[0])
+                print(f"loaded {STEPS * ATTEMPTS} attempts in {time.monotonic() - began:.0f} s")
         print("| tree | page KiB | page ms | other alone p50/p99 ms | other, 3 pages at once")
         print("|---|---|---|---|---|")
         for label, tree in trees.items():
@@ -204,7 +207,10 @@ def main() -> None:
                 flush=True,
             )
     finally:
-        drop_database(server_dsn, name)
+        if args.keep and not args.database:
+            print(f"kept: --database {url}")
+        elif not args.database:
+            drop_database(server_dsn, name)
 
 
 if __name__ == "__main__":
