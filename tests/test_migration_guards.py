@@ -140,7 +140,7 @@ LOSSES = {
         "0033",
         [INSTANCE, 'UPDATE process_instance SET labels = \'{"env": "prod"}\''],
         "1 instances' labels would be dropped",
-        ["UPDATE process_instance SET labels = '{}'"],
+        DELETE_INSTANCES,
     ),
     "0025 drops the writers": Loss(
         "0024",
