@@ -1,6 +1,7 @@
 """Instance labels (README, "Labels"): set by events, batches and PATCH, refused beyond their
 limits by the service and by the database, filtered on the lists; and an instance's summary."""
 
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -263,3 +264,30 @@ def test_an_instance_s_summary_follows_its_steps(client: httpx.Client) -> None:
     completed = client.get("/v1/instances").json()["items"][0]["summary"]
     assert completed["status"] == "completed"
     assert completed["failing_step"] is None
+
+
+def test_the_dashboard_shows_labels_and_filters_its_pages_by_them(client: httpx.Client) -> None:
+    now = datetime.now(UTC).isoformat()
+    send(
+        client, "fail", instance="run-prod", started_at=now, error_code="E", labels={"env": "prod"}
+    )
+    send(client, "fail", instance="run-dev", started_at=now, error_code="E", labels={"env": "dev"})
+    listed = client.get("/ui", params={"labels": "env=prod"})
+    assert listed.status_code == 200
+    assert "run-prod" in listed.text
+    assert "run-dev" not in listed.text
+    assert 'href="/ui?labels=env%3Dprod"' in listed.text  # a label is a link to its filter
+    page = client.get("/ui/instances/run-dev").text
+    assert "env=dev" in page
+    failing = client.get("/ui/failing", params={"labels": "env=dev"}).text
+    assert "run-dev" in failing
+    assert "run-prod" not in failing
+    assert "1 in all" in failing  # the sparkline counts the labelled failures only
+    by_step = client.get("/ui/failing", params={"labels": "env=dev", "step": "charge"}).text
+    assert "run-dev" in by_step
+    assert "run-prod" not in by_step
+    week = {"window": "7d", "labels": "env=nope"}
+    assert "No attempt started in this window" in client.get("/ui/stats", params=week).text
+    bad = client.get("/ui", params={"labels": "env"})
+    assert bad.status_code == 422
+    assert "KEY=VALUE" in bad.text
