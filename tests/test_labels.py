@@ -179,7 +179,7 @@ def test_the_lists_filter_by_every_label_asked_with_status_and_pages(client: htt
     )
     send(client, "start", instance="r-3", labels={"env": "prod", "dag": "other"})
     send(client, "start", instance="r-4", labels={"env": "dev", "dag": "etl"})
-    both = {"label": ["env=prod", "dag=etl"]}
+    both: dict[str, Any] = {"label": ["env=prod", "dag=etl"]}
     assert keys(client, **both) == ["r-2", "r-1"]
     assert keys(client, label="env=prod") == ["r-3", "r-2", "r-1"]
     assert keys(client, **both, status="failed") == ["r-2"]
@@ -228,7 +228,7 @@ def test_the_label_filter_reads_the_labels_index(
         "labels": '{"customer": "c42", "env": "prod"}',
     }
     with db.cursor() as cur:
-        cur.execute("EXPLAIN " + query, params)  # type: ignore[arg-type]
+        cur.execute("EXPLAIN " + query, params)
         plan = "\n".join(str(row[0]) for row in cur.fetchall())
     assert "ix_process_instance_labels" in plan, plan
 
