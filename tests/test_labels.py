@@ -9,6 +9,7 @@ import psycopg
 import pytest
 
 from app.data import reads
+from app.data.common import constraint_name
 from tests.helpers import T0, T1, T2, T3, post, problem
 
 
@@ -164,7 +165,7 @@ def test_the_database_refuses_labels_beyond_their_limits_by_named_checks(
     send(client, "start")
     with pytest.raises(psycopg.errors.CheckViolation) as refused:
         db.execute(f"UPDATE process_instance SET labels = {labels}")
-    assert refused.value.diag.constraint_name == constraint
+    assert constraint_name(refused.value) == constraint  # on Citus: from its message
 
 
 def test_the_lists_filter_by_every_label_asked_with_status_and_pages(client: httpx.Client) -> None:

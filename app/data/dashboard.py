@@ -4,7 +4,7 @@ the failed records of one step name, for Failing now (its other lists are the AP
 from typing import Any
 
 from app.data.common import RECORD
-from app.data.reads import IN_PREFIX, WITH_LABELS, labels_params, prefix_params
+from app.data.reads import IN_PREFIX, WITH_LABELS, labels_params, prefix_params, prepared
 from app.data.stats import NAME_OF
 from app.db import AsyncConn
 
@@ -154,7 +154,8 @@ async def failed_of_step(
     if prefix:
         params |= prefix_params(prefix)
     params |= labels_params(labels)
-    cur = await conn.execute(failed_of_step_query(prefix=bool(prefix), labels=bool(labels)), params)
+    query = failed_of_step_query(prefix=bool(prefix), labels=bool(labels))
+    cur = await conn.execute(query, params, prepare=prepared(labels))
     return await cur.fetchall()
 
 

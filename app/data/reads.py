@@ -172,6 +172,15 @@ def labels_params(labels: dict[str, str] | None) -> dict[str, str]:
     return {} if not labels else {"labels": json.dumps(labels)}
 
 
+def prepared(labels: dict[str, str] | None) -> bool | None:
+    """`prepare=` of a statement filtered by `labels`: False, planned with its labels on every
+    call, never by a prepared statement's generic plan. The plan for a label that 100
+    instances hold (read them from the labels' index, then sort) is not the plan for one that
+    a third hold (read the newest first, keep those that match), and a generic plan cannot
+    tell them apart: the second plan, given a label that nothing holds, reads every row."""
+    return False if labels else None
+
+
 def list_instances_query(
     *, prefix: bool, has: Trouble | None, labels: bool = False, created_after: bool = False
 ) -> str:
@@ -233,7 +242,7 @@ async def list_instances(
     query = list_instances_query(
         prefix=bool(prefix), has=has, labels=bool(labels), created_after=bool(created_after)
     )
-    cur = await conn.execute(query, params)
+    cur = await conn.execute(query, params, prepare=prepared(labels))
     rows = [shaped_instance(row) for row in await cur.fetchall()]
     if len(rows) > limit:
         return rows[:limit], rows[limit - 1]
@@ -403,7 +412,7 @@ async def list_recent(
     if prefix:
         params |= prefix_params(prefix)
     params |= labels_params(labels)
-    cur = await conn.execute(query, params)
+    cur = await conn.execute(query, params, prepare=prepared(labels))
     rows = await cur.fetchall()
     for row in rows:
         del row["instance_id"]

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.data.common import RECORD
-from app.data.reads import IN_PREFIX, WITH_LABELS, labels_params, prefix_params
+from app.data.reads import IN_PREFIX, WITH_LABELS, labels_params, prefix_params, prepared
 from app.db import AsyncConn
 from app.domain import Page
 
@@ -70,7 +70,7 @@ async def list_long_running(
         params |= prefix_params(prefix)
     params |= labels_params(labels)
     query = long_running_query(prefix=bool(prefix), no_lease=no_lease, labels=bool(labels))
-    cur = await conn.execute(query, params)
+    cur = await conn.execute(query, params, prepare=prepared(labels))
     rows = await cur.fetchall()
     if len(rows) > limit:
         return Page(rows[:limit], rows[limit - 1])

@@ -9,7 +9,7 @@ record's primary key: the cost grows with the attempts in the window, not with t
 from datetime import datetime
 from typing import Any
 
-from app.data.reads import IN_PREFIX, WITH_LABELS, labels_params, prefix_params
+from app.data.reads import IN_PREFIX, WITH_LABELS, labels_params, prefix_params, prepared
 from app.db import AsyncConn
 
 # A slug names one run of a step in two shapes, whose statistics are the step name's:
@@ -97,7 +97,8 @@ async def step_stats(
     if prefix:
         params |= prefix_params(prefix)
     params |= labels_params(labels)
-    cur = await conn.execute(step_stats_query(prefix=bool(prefix), labels=bool(labels)), params)
+    query = step_stats_query(prefix=bool(prefix), labels=bool(labels))
+    cur = await conn.execute(query, params, prepare=prepared(labels))
     items = []
     for row in await cur.fetchall():
         done = row["completed"] + row["failed"]
@@ -148,5 +149,6 @@ async def failures_per_hour(
     if prefix:
         params |= prefix_params(prefix)
     params |= labels_params(labels)
-    cur = await conn.execute(FAILURES_PER_HOUR.format(within=within), params)
+    query = FAILURES_PER_HOUR.format(within=within)
+    cur = await conn.execute(query, params, prepare=prepared(labels))
     return [(row["hour"], row["failed"]) for row in await cur.fetchall()]
