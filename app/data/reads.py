@@ -184,10 +184,10 @@ def prepared(labels: dict[str, str] | None) -> bool | None:
 def list_instances_query(
     *, prefix: bool, has: Trouble | None, labels: bool = False, created_after: bool = False
 ) -> str:
-    """Instances newest first with their step counts and summary; a key prefix reads the
-    prefix index, labels the labels' index, and a status filter probes the partial index of
-    running and failed records per instance (`failed`: as the summary says it, a failed step
-    and none running)."""
+    """Instances newest first (their step counts and summaries: `PAGE_SUMMARIES`); a key
+    prefix reads the prefix index, labels the labels' index, and a status filter probes the
+    partial index of running and failed records per instance (`failed`: as the summary says
+    it, a failed step and none running)."""
     where = ["(p.created_at, p.id) < (%(before_created_at)s, %(before_id)s)"]
     if prefix:
         where.append(IN_PREFIX)
@@ -206,12 +206,22 @@ def list_instances_query(
             " WHERE f.instance_id = p.id AND f.status = 'running')"
         )
     return f"""
-SELECT p.id, p.instance_key, p.created_at, p.labels, c.*, {SUMMARY}
+SELECT p.id, p.instance_key, p.created_at, p.labels
 FROM process_instance p
-CROSS JOIN LATERAL ({STEP_COUNTS}) c
 WHERE {" AND ".join(where)}
 ORDER BY p.created_at DESC, p.id DESC
 LIMIT %(limit)s
+"""
+
+
+# The step counts and summaries of a page of instances, by their ids: read after the page, so
+# that they are computed for its instances alone (joined into the page's statement, they
+# were computed for every instance a label matched before the sort kept a page of them).
+PAGE_SUMMARIES = f"""
+SELECT p.id, c.*, {SUMMARY}
+FROM process_instance p
+CROSS JOIN LATERAL ({STEP_COUNTS}) c
+WHERE p.id = ANY(%(ids)s)
 """
 
 
@@ -243,7 +253,11 @@ async def list_instances(
         prefix=bool(prefix), has=has, labels=bool(labels), created_after=bool(created_after)
     )
     cur = await conn.execute(query, params, prepare=prepared(labels))
-    rows = [shaped_instance(row) for row in await cur.fetchall()]
+    rows = await cur.fetchall()
+    if rows:
+        cur = await conn.execute(PAGE_SUMMARIES, {"ids": [row["id"] for row in rows[:limit]]})
+        found = {row.pop("id"): row for row in await cur.fetchall()}
+        rows = [shaped_instance({**row, **found[row["id"]]}) for row in rows[:limit]] + rows[limit:]
     if len(rows) > limit:
         return rows[:limit], rows[limit - 1]
     return rows, None

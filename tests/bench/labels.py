@@ -42,7 +42,7 @@ import psycopg  # noqa: E402
 
 from app.cli import migrate  # noqa: E402
 from app.data.judge import APPLY_EVENT, APPLY_EVENTS  # noqa: E402
-from app.data.reads import list_instances_query  # noqa: E402
+from app.data.reads import PAGE_SUMMARIES, list_instances_query  # noqa: E402
 from app.embedded import EmbeddedPostgres  # noqa: E402
 from tests.helpers import create_database, drop_database  # noqa: E402
 
@@ -135,8 +135,14 @@ def measure_reads(url: str, rounds: int) -> list[tuple[str, int, float, float]]:
             ).fetchone()
             assert matching is not None
             plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + sql, params).fetchall()
-            # As the service runs it: planned with its labels on every call (reads.prepared).
-            run = lambda: conn.execute(sql, params, prepare=False).fetchall()  # noqa: B023, E731
+
+            def run() -> None:
+                # As the service runs it: the page planned with its labels on every call
+                # (reads.prepared), then the summaries of its instances.
+                page = conn.execute(sql, params, prepare=False).fetchall()  # noqa: B023
+                ids = [row[0] for row in page[:100]]
+                conn.execute(PAGE_SUMMARIES, {"ids": ids}).fetchall()
+
             times = timed(run, rounds)
             results.append((name, matching[0], statistics.median(times), max(times)))
             print(f"\n=== {name}: {matching[0]:,} instances match")
@@ -209,13 +215,13 @@ def main() -> None:
     parser.add_argument("--instances", type=int, default=1_000_000)
     parser.add_argument("--rounds", type=int, default=21, help="timed runs of each filter")
     parser.add_argument("--events", type=int, default=2000, help="events per write round")
-    parser.add_argument("--write-rounds", type=int, default=5)
+    parser.add_argument("--write-rounds", type=int, default=5, help="0: measure reads only")
     args = parser.parse_args()
     with database() as url:
         with psycopg.connect(url) as conn:
             version = conn.execute("SELECT version()").fetchone()
         print(f"postgresql: {version[0] if version else '?'}")
-        writes = measure_writes(url, args.events, args.write_rounds)
+        writes = measure_writes(url, args.events, args.write_rounds) if args.write_rounds else {}
         load(url, args.instances)
         reads = measure_reads(url, args.rounds)
     print(f"\nlabel filter, a page of 100 of {args.instances:,} instances with 5 labels each")
