@@ -122,11 +122,25 @@ SUMMARY = """
 COUNTED = ("pending", "running", "completed", "failed")
 SUMMARY_KEYS = ("first_started_at", "last_finished_at", "duration_ms", "failing_step")
 
+# One instance: its records joined by its id, so that on Citus the statement goes to the one
+# shard that holds it (a LATERAL subquery of its records went to every shard).
 GET_INSTANCE = f"""
-SELECT p.id, p.instance_key, p.created_at, p.labels, c.*, {SUMMARY}
-FROM process_instance p
-CROSS JOIN LATERAL ({STEP_COUNTS}) c
-WHERE {THE_INSTANCE}
+SELECT c.*, {SUMMARY}
+FROM (
+    SELECT p.id, p.instance_key, p.created_at, p.labels,
+           count(r.id) FILTER (WHERE r.status = 'pending') AS pending,
+           count(r.id) FILTER (WHERE r.status = 'running') AS running,
+           count(r.id) FILTER (WHERE r.status = 'completed') AS completed,
+           count(r.id) FILTER (WHERE r.status = 'failed') AS failed,
+           min(r.started_at) AS first_started_at,
+           max(r.completed_at) AS last_finished_at,
+           (array_agg(r.step_slug ORDER BY r.completed_at DESC, r.id DESC)
+               FILTER (WHERE r.status = 'failed'))[1] AS failing_step
+    FROM process_instance p
+    LEFT JOIN workflow_step_record r ON r.instance_id = p.id
+    WHERE {THE_INSTANCE}
+    GROUP BY p.id
+) c
 """
 
 
@@ -186,8 +200,7 @@ def list_instances_query(
 ) -> str:
     """Instances newest first (their step counts and summaries: `PAGE_SUMMARIES`); a key
     prefix reads the prefix index, labels the labels' index, and a status filter probes the
-    partial index of running and failed records per instance (`failed`: as the summary says
-    it, a failed step and none running)."""
+    partial index of running and failed records per instance."""
     where = ["(p.created_at, p.id) < (%(before_created_at)s, %(before_id)s)"]
     if prefix:
         where.append(IN_PREFIX)
@@ -199,11 +212,6 @@ def list_instances_query(
         where.append(
             "EXISTS (SELECT FROM workflow_step_record f"
             f" WHERE f.instance_id = p.id AND f.status = '{has}')"
-        )
-    if has == "failed":
-        where.append(
-            "NOT EXISTS (SELECT FROM workflow_step_record f"
-            " WHERE f.instance_id = p.id AND f.status = 'running')"
         )
     return f"""
 SELECT p.id, p.instance_key, p.created_at, p.labels

@@ -56,10 +56,7 @@ async def list_instances(
     label: LabelFilter = None,
     status: Annotated[
         Literal["running", "failed"] | None,
-        Query(
-            description="`running`: with a running step; `failed`: with a failed step and none"
-            " running (the summary's status)"
-        ),
+        Query(description="`running`: with a running step; `failed`: with a failed step"),
     ] = None,
     created_after: Annotated[
         QueryTimestamp | None, Query(description="Only instances created after this time")
