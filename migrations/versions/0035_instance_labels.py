@@ -20,6 +20,13 @@ Why each statement is here:
 3. `ix_process_instance_labels`, a GIN index (`jsonb_path_ops`) that a filter
    `labels @> '{"env": "prod"}'` reads: the filter's cost grows with the instances that
    match, not with the table.
+   `SET STATISTICS 1000` on the column: the planner estimates how many instances a label
+   matches from a sample of the labels (the histogram), and chooses between reading the
+   labels' index then sorting (a label few instances hold) and reading the newest instances
+   first, keeping those that match (one most hold). With the default 100 entries a label
+   that 100 of 10^6 instances hold was estimated at 1% once in a while, and its page read
+   every instance (408 ms instead of 2 ms, tests/bench/labels.py); 1000 entries tell a
+   label under 0.1% from one at 1%.
 4. The judge's functions (frozen in `0035_instance_labels.up.sql` by
    `python -m app.sql freeze 0035_instance_labels`): `steprecord_apply_event` takes
    `p_labels jsonb DEFAULT NULL` and `steprecord_apply_events` `p_labels jsonb[] DEFAULT
@@ -64,6 +71,7 @@ ALTER TABLE process_instance ADD CONSTRAINT ck_process_instance_labels_value_for
         'strict $.* ? (@.type() != "string" || !(@ like_regex "^.{{0,200}}$" flag "s"))',
         '{{}}', true));
 CREATE INDEX ix_process_instance_labels ON process_instance USING gin (labels jsonb_path_ops);
+ALTER TABLE process_instance ALTER COLUMN labels SET STATISTICS 1000;
 """
 DROP_COLUMN = """
 DROP INDEX ix_process_instance_labels;
