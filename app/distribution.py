@@ -83,6 +83,7 @@ CUSTOM_PLANS = (
     "steprecord_apply_events",
     "steprecord_heartbeat",
     "steprecord_list_page",
+    "steprecord_patch_labels",
 )
 
 HAS_CITUS = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"

@@ -1,9 +1,10 @@
 """An instance's labels, set and removed by `PATCH /v1/instances/{instance_key}`.
 
 Events merge their labels in the judge's own statement (app/sql/apply_event.sql); a PATCH is
-one UPDATE of the instance's row, merged on its newest version (JSON Merge Patch: the keys
-with a value take it, the keys with null go), so two concurrent PATCHes never lose each
-other's keys. The labels' CHECKs (`ck_process_instance_labels_*`) refuse what exceeds a limit.
+one call of `steprecord_patch_labels` (app/sql/labels.sql), one UPDATE of the instance's row
+merged on its newest version (JSON Merge Patch: the keys with a value take it, the keys with
+null go), so two concurrent PATCHes never lose each other's keys. The labels' CHECKs
+(`ck_process_instance_labels_*`) refuse what exceeds a limit.
 """
 
 import json
@@ -12,16 +13,15 @@ from typing import Any
 import psycopg
 
 from app.data.common import violation
-from app.data.reads import THE_INSTANCE, get_instance
+from app.data.reads import get_instance
 from app.db import AsyncConn
 from app.domain import InstanceNotFound
 
-PATCH_LABELS = f"""
-UPDATE process_instance p
-SET labels = (p.labels || %(set)s::jsonb) - %(remove)s::text[]
-WHERE {THE_INSTANCE}
-RETURNING p.id
-"""
+# The merge is a function in the database (app/sql/labels.sql): one UPDATE of the row.
+PATCH_LABELS = (
+    "SELECT * FROM steprecord_patch_labels(%(instance_key)s::text, %(set)s::jsonb,"
+    " %(remove)s::text[])"
+)
 
 
 async def patch_labels(

@@ -5,6 +5,7 @@
 -- Functions this revision created or declared otherwise:
 DROP FUNCTION steprecord_apply_event(p_instance_id bigint, p_i int, p_instance_key text, p_step_slug text, p_kind text, p_attempt bigint, p_started_at timestamptz, p_completed_at timestamptz, p_output text, p_external_output_url text, p_error_code text, p_error_message text, p_ordinal bigint, p_lease_seconds int, p_trace_id text, p_reported_by text, p_labels jsonb);
 DROP FUNCTION steprecord_apply_events(p_i int[], p_instance_key text[], p_step_slug text[], p_kind text[], p_attempt bigint[], p_started_at timestamptz[], p_completed_at timestamptz[], p_output text[], p_external_output_url text[], p_error_code text[], p_error_message text[], p_ordinal bigint[], p_lease_seconds int[], p_trace_id text, p_reported_by text, p_labels jsonb[]);
+DROP FUNCTION steprecord_patch_labels(p_instance_key text, p_set jsonb, p_remove text[]);
 
 -- ===== app/sql/apply_event.sql as of revision 0034 =====
 -- steprecord_apply_event: the judge of one event (every POST .../declare, /start,

@@ -35,6 +35,9 @@ Why each statement is here:
    instance's, in the event's own statement. Their arguments change, so they are dropped
    and created (app/distribution.py delegates the new `steprecord_apply_event` on Citus at
    the next migrate, as it did the old one).
+5. `steprecord_patch_labels` (`app/sql/labels.sql`): a PATCH's merge, one UPDATE of the
+   instance's row, as a function so that the service writes the row only through the
+   database's own functions.
 
 Downgrade restores the functions as the revision before left them (`.down.sql`) and drops
 the index, the CHECKs and the column: the labels kept meanwhile are lost, so it refuses,
