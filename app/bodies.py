@@ -24,7 +24,10 @@ from app.domain import Event, Kind
 from app.errors import KEY_RULE, NAME_RULE, Problem, validation_problem
 from app.limits import (
     KEY_RE,
+    LABEL_KEY_RE,
     MAX_INT4,
+    MAX_LABEL_VALUE_CHARS,
+    MAX_LABELS,
     MAX_MESSAGE_BYTES,
     MAX_URL_CHARS,
     NAME_PATTERN,
@@ -70,6 +73,52 @@ Timestamp = Annotated[
 Url = Annotated[StrictStr, Field(pattern=URL_PATTERN, max_length=MAX_URL_CHARS)]
 LeaseSeconds = Annotated[StrictInt, Field(ge=1, le=MAX_LEASE_SECONDS)]
 
+LABEL_RULE = (
+    f"a label key is 1 to 63 characters of [A-Za-z0-9._/-]; a value a string of at most"
+    f" {MAX_LABEL_VALUE_CHARS} characters; an instance holds at most {MAX_LABELS} labels"
+)
+
+
+def check_labels(value: dict[str, str | None]) -> dict[str, str | None]:
+    """Refuse labels beyond their limits, naming the limit (the table's CHECKs refuse the
+    same: `ck_process_instance_labels_*`)."""
+    if len(value) > MAX_LABELS:
+        raise ValueError(f"holds {len(value)} labels, over the limit of {MAX_LABELS}")
+    for key, label in value.items():
+        if not LABEL_KEY_RE.fullmatch(key):
+            raise ValueError(f"key {key[:80]!r}: must be 1 to 63 characters of [A-Za-z0-9._/-]")
+        if label is not None and len(label) > MAX_LABEL_VALUE_CHARS:
+            raise ValueError(
+                f"value of {key!r} is {len(label)} characters, over the limit of"
+                f" {MAX_LABEL_VALUE_CHARS}"
+            )
+    return value
+
+
+def _strings_only(value: dict[str, str | None]) -> dict[str, str | None]:
+    for key, label in value.items():
+        if label is None:
+            raise ValueError(
+                f"value of {key!r} is null: an event's labels only set; remove a label with"
+                ' PATCH /v1/instances/{instance_key} {"labels": {"KEY": null}}'
+            )
+    return value
+
+
+# An event's labels: merged into its instance's (a key it omits stays).
+Labels = Annotated[
+    dict[StrictStr, StrictStr | None],
+    AfterValidator(check_labels),
+    AfterValidator(_strings_only),
+    Field(description=LABEL_RULE + "; merged into the instance's labels (a key omitted stays)"),
+]
+# A PATCH's labels: JSON Merge Patch (RFC 7396), a null value removes its key.
+LabelPatch = Annotated[
+    dict[StrictStr, StrictStr | None],
+    AfterValidator(check_labels),
+    Field(description=LABEL_RULE + "; merged as JSON Merge Patch: a null value removes its key"),
+]
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -77,6 +126,7 @@ class _Body(BaseModel):
 
 class DeclareBody(_Body):
     ordinal: Ordinal | None = None
+    labels: Labels | None = None
 
 
 class StartBody(_Body):
@@ -84,6 +134,7 @@ class StartBody(_Body):
     started_at: Timestamp | None = None
     ordinal: Ordinal | None = None
     lease_seconds: LeaseSeconds | None = None
+    labels: Labels | None = None
 
 
 class HeartbeatBody(_Body):
@@ -96,6 +147,7 @@ class _FinishBody(_Body):
     started_at: Timestamp | None = None
     completed_at: Timestamp | None = None
     ordinal: Ordinal | None = None
+    labels: Labels | None = None
 
 
 class CompleteBody(_FinishBody):
@@ -243,6 +295,7 @@ def parse_event(
     if started_at is not None and completed_at is not None and started_at > completed_at:
         raise Problem(422, "invalid_timing", "started_at is after completed_at")
     output = fields.pop("output", None)
+    labels = fields.pop("labels", None)
     if output is not None and "external_output_url" in fields:
         raise Problem(422, "output_conflict", "give output or external_output_url, not both")
     return Event(
@@ -250,8 +303,25 @@ def parse_event(
         step_slug=step_slug,
         kind=kind,
         output=None if output is None else dumps_value(output),
+        labels=dumps_value(labels) if labels else None,
         **fields,
     )
+
+
+class InstancePatch(_Body):
+    """`PATCH /v1/instances/{instance_key}`: the instance's labels, set and removed."""
+
+    labels: LabelPatch
+
+
+def parse_instance_patch(body: Any) -> InstancePatch:
+    """Validate a PATCH of an instance; raise a `Problem` naming every bad field."""
+    if not isinstance(body, dict):
+        raise validation_problem([{"field": "body", "message": 'must be {"labels": {...}}'}])
+    try:
+        return InstancePatch.model_validate(body)
+    except ValidationError as exc:
+        raise validation_problem(_errors(exc, list(InstancePatch.model_fields))) from None
 
 
 MAX_BATCH_EVENTS = 1000

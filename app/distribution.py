@@ -88,6 +88,7 @@ CUSTOM_PLANS = (
     "steprecord_delete_instance",
     "steprecord_prune_due",
     "steprecord_prune_delete",
+    "steprecord_patch_labels",
 )
 
 HAS_CITUS = "SELECT 1 FROM pg_extension WHERE extname = 'citus'"

@@ -37,6 +37,7 @@ class Event:
     error_message: str | None = None
     ordinal: int | None = None
     lease_seconds: int | None = None
+    labels: str | None = None  # JSON text: an object of strings, merged into the instance's
 
 
 @dataclass(frozen=True, slots=True)

@@ -116,11 +116,20 @@ CONSTRAINT_CODES = {
 }
 
 
+# What to do about a constraint whose message alone would not say it.
+CONSTRAINT_ADVICE = {
+    "ck_process_instance_labels_count": "an instance holds at most 32 labels: remove some"
+    ' first (PATCH /v1/instances/{instance_key} with {"labels": {"KEY": null}})',
+}
+
+
 def from_violation(exc: ConstraintViolation) -> Problem:
     status, code = CONSTRAINT_CODES.get(
         exc.constraint, (409 if exc.unique else 422, "constraint_violation")
     )
-    return Problem(status, code, f"refused by {exc.constraint}: {exc}", constraint=exc.constraint)
+    advice = CONSTRAINT_ADVICE.get(exc.constraint)
+    detail = f"refused by {exc.constraint}: " + (advice or str(exc))
+    return Problem(status, code, detail, constraint=exc.constraint)
 
 
 def to_problem(exc: Exception) -> Problem:

@@ -24,3 +24,10 @@ MAX_OUTPUT_BYTES = 1024 * 1024
 MAX_MESSAGE_BYTES = 65536
 MAX_URL_CHARS = 2048
 MAX_INT4 = 2147483647
+# Instance labels: at most `MAX_LABELS` an instance, each key 1 to 63 characters of
+# `[A-Za-z0-9._/-]` (no `=`, so `label=KEY=VALUE` splits at the first `=`), each value a
+# string of at most `MAX_LABEL_VALUE_CHARS` characters.
+LABEL_KEY_PATTERN = "^[A-Za-z0-9._/-]{1,63}$"
+LABEL_KEY_RE = re.compile(LABEL_KEY_PATTERN)
+MAX_LABEL_VALUE_CHARS = 200
+MAX_LABELS = 32

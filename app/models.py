@@ -36,7 +36,10 @@ from sqlmodel import Field, SQLModel
 
 from app.limits import (
     KEY_PATTERN,
+    LABEL_KEY_PATTERN,
     MAX_INT4,
+    MAX_LABEL_VALUE_CHARS,
+    MAX_LABELS,
     MAX_MESSAGE_BYTES,
     MAX_OUTPUT_BYTES,
     MAX_URL_CHARS,
@@ -59,6 +62,19 @@ metadata: MetaData = SQLModel.metadata
 STATUSES = ("pending", "running", "completed", "failed")
 ATTEMPT_STATUSES = ("running", "completed", "failed", "superseded")
 LEASED = "status = 'running' AND lease_expires_at IS NOT NULL"
+# An instance's labels: a JSON object of at most MAX_LABELS string values, its keys and values
+# in their formats. jsonpath, as a CHECK takes no subquery; `silent` (the last `true`) makes
+# a path over something other than an object answer NULL, which `labels_object` refuses.
+LABEL_CHECKS = {
+    "labels_object": "jsonb_typeof(labels) = 'object'",
+    "labels_count": f"jsonb_array_length(jsonb_path_query_array(labels, '$.*')) <= {MAX_LABELS}",
+    "labels_key_format": "NOT jsonb_path_exists(labels, 'strict $.keyvalue() ?"
+    f' (!(@.key like_regex "{LABEL_KEY_PATTERN}"))'
+    "', '{}', true)",
+    "labels_value_format": "NOT jsonb_path_exists(labels, 'strict $.* ?"
+    f' (@.type() != "string" || !(@ like_regex "^.{{0,{MAX_LABEL_VALUE_CHARS}}}$" flag "s"))'
+    "', '{}', true)",
+}
 
 
 class XID8(UserDefinedType[str]):
@@ -106,7 +122,15 @@ class ProcessInstance(SQLModel, table=True):
         CheckConstraint("id = steprecord_instance_id(instance_key)", name="id_derived"),
         CheckConstraint(f"instance_key ~ '{KEY_PATTERN}'", name="instance_key_format"),
         CheckConstraint("next_ordinal >= 0", name="next_ordinal_nonnegative"),
+        *(CheckConstraint(check, name=name) for name, check in LABEL_CHECKS.items()),
         Index(None, "created_at", "id"),
+        # The label filter (`labels @> '{"env": "prod"}'`) reads it.
+        Index(
+            "ix_process_instance_labels",
+            "labels",
+            postgresql_using="gin",
+            postgresql_ops={"labels": "jsonb_path_ops"},
+        ),
         Index(
             "ix_process_instance_instance_key_prefix",
             "instance_key",
@@ -122,6 +146,11 @@ class ProcessInstance(SQLModel, table=True):
         default=0, sa_column=Column(BigInteger, nullable=False, server_default=text("0"))
     )
     created_at: datetime = Field(sa_column=_now())
+    # Its labels (string keys and values), merged by events and PATCH.
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        sa_column=Column(JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    )
 
 
 class WorkflowStepRecord(SQLModel, table=True):

@@ -82,11 +82,26 @@ class StepCounts(BaseModel):
     failed: int
 
 
+class InstanceSummary(BaseModel):
+    status: str = Field(
+        description="running while any step runs, else failed when one failed, else completed"
+        " when every step completed, else pending"
+    )
+    first_started_at: str | None
+    last_finished_at: str | None
+    duration_ms: float | None = Field(
+        description="From the first start to the last finish (to now while running)"
+    )
+    failing_step: str | None = Field(description="The slug of the most recently failed step")
+
+
 class Instance(BaseModel):
     id: int
     instance_key: str
     created_at: str
+    labels: dict[str, str]
     step_counts: StepCounts
+    summary: InstanceSummary
 
 
 class InstancePage(BaseModel):
@@ -198,6 +213,18 @@ def read_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
         200: {"model": model, "description": "OK"},
         404: _problem("Instance or step not found"),
         422: _problem("Invalid request"),
+        429: BUSY,
+        503: _problem("Database unavailable"),
+    }
+
+
+def patch_responses() -> dict[int | str, dict[str, Any]]:
+    return {
+        200: {"model": Instance, "description": "The instance with its labels merged"},
+        400: _problem("Body is not JSON"),
+        403: _problem("outside_prefix: outside the token's key prefix"),
+        404: _problem("Instance not found"),
+        422: _problem("Invalid request, or over a label limit"),
         429: BUSY,
         503: _problem("Database unavailable"),
     }

@@ -31,6 +31,7 @@ from app.db import AsyncConn
 from app.errors import Problem
 from app.limits import KEY_PREFIX_RE, KEY_RE, NAME_RE
 from app.replica import ReadPool
+from app.routes.common import label_filter
 from app.serialize import timestamp
 from app.shown import shown
 from app.timeline import Scale, duration
@@ -505,6 +506,16 @@ def timeline(
 # --- pages -----------------------------------------------------------------------------
 
 
+def labels_asked(query: Any) -> tuple[dict[str, str] | None, str, list[str]]:
+    """The labels a page filters by (`labels=env=prod dag=etl`, as typed in its form): the
+    labels, the text as typed, and what is wrong with it."""
+    text = (query.get("labels") or "").strip()
+    try:
+        return label_filter(text.split()), text, []
+    except Problem as exc:
+        return None, text, [f"Labels are KEY=VALUE pairs separated by spaces: {exc.detail}"]
+
+
 @router.get("/ui")
 async def instances_page(request: Request) -> Response:
     query = request.query_params
@@ -513,7 +524,7 @@ async def instances_page(request: Request) -> Response:
     if status == "running":
         has = "running"
     prefix = (query.get("prefix") or "").strip() or None
-    errors = []
+    labels, labels_text, errors = labels_asked(query)
     if status not in (None, "failed", "running"):
         errors.append('The status filter is "has failed steps" or "has running steps".')
     if prefix is not None and not KEY_PREFIX_RE.fullmatch(prefix):
@@ -534,7 +545,7 @@ async def instances_page(request: Request) -> Response:
     if reachable and not errors:
         async with read_connection(request) as conn:
             items, last = await reads.list_instances(
-                conn, prefix=within, has=has, before=before, limit=PAGE_SIZE
+                conn, prefix=within, has=has, labels=labels, before=before, limit=PAGE_SIZE
             )
             summaries = await dashboard.instance_summaries(conn, [i["id"] for i in items])
     now = datetime.now(UTC)
@@ -551,6 +562,7 @@ async def instances_page(request: Request) -> Response:
         params = {
             "status": status or "",
             "prefix": prefix or "",
+            "labels": labels_text,
             "cursor": cursors.instances_cursor(last),
         }
         next_query = "&".join(f"{k}={quote(v)}" for k, v in params.items() if v)
@@ -562,8 +574,9 @@ async def instances_page(request: Request) -> Response:
         items=items,
         status=status or "",
         prefix=prefix or "",
+        labels=labels_text,
         errors=errors,
-        filtered=bool(status or prefix or before),
+        filtered=bool(status or prefix or labels_text or before),
         next_query=next_query,
         base_url=str(request.base_url).rstrip("/"),
     )
@@ -670,11 +683,14 @@ async def step_page(request: Request, instance_key: str, step_slug: str) -> Resp
     return await render_aside(request, build, "step.html")
 
 
-async def _across(request: Request, *, failed: bool) -> list[dict[str, Any]]:
+async def _across(
+    request: Request, *, failed: bool, labels: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
     async with read_connection(request) as conn:
         page = await reads.list_recent(
             conn,
             prefix=tenancy.prefix_of(request.scope),
+            labels=labels,
             statuses=["failed"] if failed else ["running"],
             updated_after=None,
             lease_expired=not failed,
@@ -727,27 +743,38 @@ async def failing_page(request: Request) -> Response:
         return not_found(request, "No step has that name.")
     now = datetime.now(UTC)
     prefix = tenancy.prefix_of(request.scope)
+    labels, labels_text, errors = labels_asked(request.query_params)
     since = now - timedelta(hours=24)
-    async with read_connection(request) as conn:
+    items: list[dict[str, Any]] = []
+    hours: list[tuple[datetime, int]] = []
+    if not errors:
+        async with read_connection(request) as conn:
+            if step is None:
+                hours = await stats.failures_per_hour(
+                    conn, since=since, until=now, prefix=prefix, labels=labels
+                )
+            else:
+                hours = await stats.failures_per_hour_of_step(
+                    conn, step, since=since, until=now, prefix=prefix, labels=labels
+                )
+                items = await dashboard.failed_of_step(
+                    conn, step, prefix=prefix, labels=labels, limit=LIST_SIZE
+                )
         if step is None:
-            hours = await stats.failures_per_hour(conn, since=since, until=now, prefix=prefix)
-        else:
-            hours = await stats.failures_per_hour_of_step(
-                conn, step, since=since, until=now, prefix=prefix
-            )
-            items = await dashboard.failed_of_step(conn, step, prefix=prefix, limit=LIST_SIZE)
-    if step is None:
-        items = await _across(request, failed=True)
+            items = await _across(request, failed=True, labels=labels)
     # The most recently written failures, shown by when they failed (what the page shows):
     # a late report or a swept lease fails at an earlier time than it was written.
     items.sort(key=failed_at, reverse=True)
     return render(
         request,
         "across.html",
+        422 if errors else 200,
         title="Failing now",
         view="failing",
         items=items,
         step=step,
+        labels=labels_text,
+        errors=errors,
         spark=sparkline(hours, step),
     )
 
@@ -787,7 +814,7 @@ async def stats_page(request: Request) -> Response:
     from the function behind `GET /v1/stats/steps`, within the token's prefix as it is."""
     window = request.query_params.get("window") or "24h"
     prefix = (request.query_params.get("prefix") or "").strip() or None
-    errors = []
+    labels, labels_text, errors = labels_asked(request.query_params)
     if window not in WINDOWS:
         errors.append("The window is 1h, 24h or 7d.")
         window = "24h"
@@ -802,7 +829,7 @@ async def stats_page(request: Request) -> Response:
     if reachable and not errors:
         async with read_connection(request) as conn:
             items = await stats.step_stats(
-                conn, since=since, until=until, prefix=within, limit=STATS_SIZE
+                conn, since=since, until=until, prefix=within, limit=STATS_SIZE, labels=labels
             )
     slowest = max((i["duration_ms"]["p95"] or 0.0 for i in items), default=0.0)
     rows = [
@@ -827,6 +854,7 @@ async def stats_page(request: Request) -> Response:
         window=window,
         windows=list(WINDOWS),
         prefix=prefix or "",
+        labels=labels_text,
         errors=errors,
         since=since,
         until=until,

@@ -95,6 +95,19 @@ def test_a_task_is_its_task_id_and_a_mapped_task_adds_its_map_index() -> None:
     assert long.endswith(":12345")
 
 
+def test_a_try_labels_its_dag_run_with_the_dag_the_owner_and_the_run_type() -> None:
+    one = plugin._Try.of(task_instance())
+    assert one.labels == {
+        "airflow.dag": "etl",
+        "airflow.owner": "data",
+        "airflow.run_type": "scheduled",
+    }
+    manual = task_instance(run_id="x", dag_run=SimpleNamespace(run_type="manual"))
+    assert plugin._Try.of(manual).labels["airflow.run_type"] == "manual"
+    unknown = plugin._Try.of(task_instance(run_id="custom-7", task=None))
+    assert unknown.labels == {"airflow.dag": "etl"}
+
+
 def test_a_message_too_long_keeps_its_head_and_its_tail_around_a_marker() -> None:
     text = "Traceback (most recent call last):\n" + "  frame é\n" * 20000 + "ValueError: the end"
     fitted = plugin.fit_message(text)
@@ -164,6 +177,12 @@ def test_a_try_is_started_finished_and_retried_as_attempts(
     assert live.flush(10)
     record = client.get(path_of(KEY, "extract")).json()
     assert (record["status"], record["attempt_count"]) == ("running", 1)
+    labels = client.get("/v1/instances/" + KEY).json()["labels"]
+    assert labels == {
+        "airflow.dag": "etl",
+        "airflow.owner": "data",
+        "airflow.run_type": "scheduled",
+    }
     assert record["lease_expires_at"] is not None
     first.state, first.end_date = "up_for_retry", datetime.now(UTC)
     live.on_task_instance_failed(

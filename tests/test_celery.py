@@ -243,6 +243,8 @@ def test_the_same_task_twice_in_a_chain_is_two_records(prefork: Worker, raw: htt
         slug("add", str(result.id)),
     ]
     assert [r["output"] for r in items] == [2, 7]
+    labels = raw.get(f"/v1/instances/{key}").json()["labels"]
+    assert labels == {"celery.app": "steprecord_test", "celery.queue": prefork.queue}
 
 
 def test_a_failing_task_is_recorded_failed_with_its_exception(

@@ -225,7 +225,7 @@ def test_the_coordinator_delegates_the_one_event_judge_to_the_worker_holding_the
     url = create_database(citus.url, name)
     try:
         migrate(url)
-        params = [0, "run-1", "a", "declare", *([None] * 10), "anonymous"]
+        params = [0, "run-1", "a", "declare", *([None] * 10), "anonymous", None]
         with (
             psycopg.connect(url, autocommit=True) as conn,
             psycopg.RawCursor(conn) as cur,

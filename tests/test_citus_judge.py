@@ -135,7 +135,7 @@ def test_a_new_record_and_a_late_report_go_through_the_delegated_one_event_judge
         psycopg.connect(cluster_database, autocommit=True) as conn,
         psycopg.RawCursor(conn) as cur,
     ):
-        params = [0, key, "s", "start", *([None] * 10), "ci"]
+        params = [0, key, "s", "start", *([None] * 10), "ci", None]
         cur.execute(f"EXPLAIN (VERBOSE) {APPLY_EVENT}", params)
         plan = "\n".join(str(row[0]) for row in cur.fetchall())
     assert "Task Count: 1" in plan

@@ -1100,3 +1100,47 @@ def test_a_killed_workers_step_is_swept(server_url: str, raw: httpx.Client) -> N
 def test_a_bad_lease_is_refused_when_the_step_is_declared(rec: Recorder, lease: Any) -> None:
     with pytest.raises(ValueError, match="lease_seconds"):
         rec.step("x", lease_seconds=lease)
+
+
+def test_a_recorder_s_labels_are_set_on_the_instances_it_records(
+    server_url: str, raw: httpx.Client
+) -> None:
+    with Recorder(server_url, labels={"env": "prod", "team": "billing"}, **FAST) as labelled:
+
+        @labelled.step("charge")
+        def charge() -> int:
+            return 1
+
+        with labelled.instance("order-labels"):
+            charge()
+
+    async def main() -> None:
+        async with AsyncRecorder(server_url, labels={"env": "dev"}, **FAST) as arec:
+
+            @arec.step("fetch")
+            async def fetch() -> int:
+                return 2
+
+            async with arec.instance("order-labels-2"):
+                await fetch()
+
+    asyncio.run(main())
+    assert raw.get("/v1/instances/order-labels").json()["labels"] == {
+        "env": "prod",
+        "team": "billing",
+    }
+    assert raw.get("/v1/instances/order-labels-2").json()["labels"] == {"env": "dev"}
+    listed = raw.get("/v1/instances", params={"label": "env=prod"}).json()["items"]
+    assert [item["instance_key"] for item in listed] == ["order-labels"]
+
+
+@pytest.mark.parametrize(
+    "labels", [{"a b": "x"}, {"k": "v" * 201}, {f"k{n}": "v" for n in range(33)}, {"k": 1}]
+)
+def test_labels_beyond_the_service_s_limits_are_refused_by_the_recorder(
+    server_url: str, labels: dict[str, Any]
+) -> None:
+    with pytest.raises(ValueError, match="label"):
+        Recorder(server_url, labels=labels)
+    with pytest.raises(ValueError, match="label"):
+        AsyncRecorder(server_url, labels=labels)

@@ -95,9 +95,9 @@ def declare_overlapping_new_instances(database_url: str, callers: int = 6, round
                     columns += [["declare"] * n] + [[None] * n for _ in range(9)]
                     barrier.wait()
                     try:
-                        # The columns, then the trace id (none) and the writer.
+                        # The columns, then the trace id (none), the writer, no labels.
                         psycopg.RawCursor(conn).execute(
-                            statement, [*columns, None, f"caller-{number}"]
+                            statement, [*columns, None, f"caller-{number}", None]
                         )
                     except psycopg.errors.DeadlockDetected:
                         deadlocks.append(round_)

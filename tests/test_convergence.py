@@ -230,7 +230,7 @@ def test_a_late_report_whose_statement_began_before_a_higher_attempt_took_over_i
         psycopg.RawCursor(holder) as cur,
     ):
         # Attempt 3 takes the record over and supersedes attempt 1's entry, not committed yet.
-        cur.execute(APPLY_EVENT, [0, key, "s", "start", 3, ts(300), *([None] * 8), "ci"])
+        cur.execute(APPLY_EVENT, [0, key, "s", "start", 3, ts(300), *([None] * 8), "ci", None])
         assert cur.fetchone() is not None
         sender = threading.Thread(
             target=lambda: answers.append(client.post("/v1/events", json=batch))

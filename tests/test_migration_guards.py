@@ -136,6 +136,12 @@ class Loss:
 
 
 LOSSES = {
+    "0035 drops the labels": Loss(
+        "0034",
+        [INSTANCE, 'UPDATE process_instance SET labels = \'{"env": "prod"}\''],
+        "1 instances' labels would be dropped",
+        DELETE_INSTANCES,
+    ),
     "0025 drops the writers": Loss(
         "0024",
         [INSTANCE, WRITTEN_STEP],

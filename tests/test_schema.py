@@ -419,6 +419,7 @@ def test_migrations_upgrade_downgrade_and_upgrade_again(scratch_database: str) -
         "steprecord_heartbeat",
         "steprecord_instance_id",
         "steprecord_list_page",
+        "steprecord_patch_labels",
         "steprecord_prune_delete",
         "steprecord_prune_due",
         "steprecord_prune_lock",

@@ -4,7 +4,7 @@ the failed records of one step name, for Failing now (its other lists are the AP
 from typing import Any
 
 from app.data.common import RECORD
-from app.data.reads import IN_PREFIX, prefix_params
+from app.data.reads import IN_PREFIX, WITH_LABELS, labels_params, prefix_params, prepared
 from app.data.stats import NAME_OF
 from app.db import AsyncConn
 
@@ -131,14 +131,15 @@ async def step_attempts(
     return attempts, total
 
 
-def failed_of_step_query(*, prefix: bool) -> str:
+def failed_of_step_query(*, prefix: bool, labels: bool = False) -> str:
     """Failed records of one step name (a slug; a Celery task name, whose slugs are the name, a
     colon and a task id; a mapped task's name, whose slugs are the name, a colon and a map
     index), newest `updated_at` first: a backward scan of the failed records by
     `(status, updated_at, id)` that stops at `limit` matches."""
+    where = [*([IN_PREFIX] if prefix else []), *([WITH_LABELS] if labels else [])]
     within = (
-        f" AND r.instance_id IN (SELECT p.id FROM process_instance p WHERE {IN_PREFIX})"
-        if prefix
+        f" AND r.instance_id IN (SELECT p.id FROM process_instance p WHERE {' AND '.join(where)})"
+        if where
         else ""
     )
     return f"""
@@ -155,7 +156,12 @@ LIMIT %(limit)s
 
 
 async def failed_of_step(
-    conn: AsyncConn, name: str, *, prefix: str | None, limit: int
+    conn: AsyncConn,
+    name: str,
+    *,
+    prefix: str | None,
+    limit: int,
+    labels: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """The failed records of step `name` as `/v1/stats/steps` names steps (see
     `failed_of_step_query`), only of instances whose key starts with `prefix` when given."""
@@ -163,7 +169,9 @@ async def failed_of_step(
     params: dict[str, Any] = {"name": name, "grouped_like": escaped + ":%", "limit": limit}
     if prefix:
         params |= prefix_params(prefix)
-    cur = await conn.execute(failed_of_step_query(prefix=bool(prefix)), params)
+    params |= labels_params(labels)
+    query = failed_of_step_query(prefix=bool(prefix), labels=bool(labels))
+    cur = await conn.execute(query, params, prepare=prepared(labels))
     return await cur.fetchall()
 
 

@@ -27,14 +27,16 @@ from app.domain import (
 # cost twice its execution time to plan on every call. It takes $1 the events' indexes,
 # then one array per field of `PARAMS`, in order, then the request's trace id (NULL for
 # none: the attempts the events start keep it), then the writer (the request's token's name,
-# or `anonymous`: every record written takes it as `updated_by`), and answers one row per
+# or `anonymous`: every record written takes it as `updated_by`), then each event's labels
+# (JSON text or NULL: those of the events answered 2xx merge into their instances'), and
+# answers one row per
 # event (index, outcome, record) with events of distinct steps applied in one statement, each
 # judged as if alone. It runs on a raw cursor: the text is sent as is, never parsed for
 # placeholders.
 APPLY_EVENTS = (
     "SELECT * FROM steprecord_apply_events($1::int[], $2::text[], $3::text[], $4::text[],"
     " $5::bigint[], $6::timestamptz[], $7::timestamptz[], $8::text[], $9::text[], $10::text[],"
-    " $11::text[], $12::bigint[], $13::int[], $14::text, $15::text)"
+    " $11::text[], $12::bigint[], $13::int[], $14::text, $15::text, $16::jsonb[])"
 )
 
 # One event (not a heartbeat) with scalars for arrays (app/sql/apply_event.sql): the same
@@ -44,7 +46,7 @@ APPLY_EVENTS = (
 APPLY_EVENT = (
     "SELECT * FROM steprecord_apply_event(steprecord_instance_id($2::text), $1::int, $2::text,"
     " $3::text, $4::text, $5::bigint, $6::timestamptz, $7::timestamptz, $8::text, $9::text,"
-    " $10::text, $11::text, $12::bigint, $13::int, $14::text, $15::text)"
+    " $10::text, $11::text, $12::bigint, $13::int, $14::text, $15::text, $16::jsonb)"
 )
 
 
@@ -192,13 +194,13 @@ async def _apply_segment(
         params = _columns_and(writer)
         await _apply_statement(conn, HEARTBEAT, HEARTBEAT_PARAMS, events, beats, outcomes, params)
     if others:
-        params = _columns_and(trace_id, writer)
+        params = _with_labels(trace_id, writer)
         await _apply_statement(conn, APPLY_EVENTS, PARAMS, events, others, outcomes, params)
 
 
 # A statement's parameters: the events' indexes, then one array per field (`_columns`), or
 # for one event its index and its fields (`_scalars`); the judge's functions then take the
-# request's trace id (not a heartbeat) and its writer.
+# request's trace id (not a heartbeat), its writer, and the events' labels (not a heartbeat).
 Params = Callable[[Sequence[Event], list[int], Sequence[str]], list[Any]]
 
 
@@ -213,10 +215,19 @@ def _columns_and(*scalars: str | None) -> Params:
     return params
 
 
+def _with_labels(trace_id: str | None, writer: str) -> Params:
+    def params(events: Sequence[Event], indexes: list[int], names: Sequence[str]) -> list[Any]:
+        labels = [events[i].labels for i in indexes]
+        return [*_columns(events, indexes, names), trace_id, writer, labels]
+
+    return params
+
+
 def _scalars(trace_id: str | None, writer: str) -> Params:
     def params(events: Sequence[Event], indexes: list[int], names: Sequence[str]) -> list[Any]:
         (index,) = indexes
-        return [index, *(getattr(events[index], name) for name in names), trace_id, writer]
+        fields = (getattr(events[index], name) for name in names)
+        return [index, *fields, trace_id, writer, events[index].labels]
 
     return params
 

@@ -1,6 +1,7 @@
 """The API's reads: one record, a page of an instance's records, an instance, the instances,
 a step's attempts, and records across instances."""
 
+import json
 from collections.abc import Sequence
 from datetime import datetime
 from itertools import repeat
@@ -94,17 +95,61 @@ async def list_steps(
     return Page(items, last)
 
 
-GET_INSTANCE = f"""
-SELECT p.id, p.instance_key, p.created_at,
-       count(r.id) FILTER (WHERE r.status = 'pending') AS pending,
-       count(r.id) FILTER (WHERE r.status = 'running') AS running,
-       count(r.id) FILTER (WHERE r.status = 'completed') AS completed,
-       count(r.id) FILTER (WHERE r.status = 'failed') AS failed
-FROM process_instance p
-LEFT JOIN workflow_step_record r ON r.instance_id = p.id
-WHERE {THE_INSTANCE}
-GROUP BY p.id
+# An instance's step counts and summary, from one pass over its records (`r`, those of
+# `p`): first start, last finish, and the most recently failed step (by its completed_at).
+STEP_COUNTS = """
+    SELECT count(*) FILTER (WHERE r.status = 'pending') AS pending,
+           count(*) FILTER (WHERE r.status = 'running') AS running,
+           count(*) FILTER (WHERE r.status = 'completed') AS completed,
+           count(*) FILTER (WHERE r.status = 'failed') AS failed,
+           min(r.started_at) AS first_started_at,
+           max(r.completed_at) AS last_finished_at,
+           (array_agg(r.step_slug ORDER BY r.completed_at DESC, r.id DESC)
+               FILTER (WHERE r.status = 'failed'))[1] AS failing_step
+    FROM workflow_step_record r WHERE r.instance_id = p.id
 """
+# The summary's status and duration from those: running while a step runs, else failed when
+# one failed, else completed when every one completed, else pending; the duration from the
+# first start to the last finish, to now while running (milliseconds).
+SUMMARY = """
+       CASE WHEN c.running > 0 THEN 'running' WHEN c.failed > 0 THEN 'failed'
+            WHEN c.pending = 0 AND c.completed > 0 THEN 'completed' ELSE 'pending' END
+           AS summary_status,
+       round((extract(epoch FROM CASE WHEN c.running > 0 THEN statement_timestamp()
+                                      ELSE c.last_finished_at END - c.first_started_at)
+              * 1000)::numeric, 3)::float8 AS duration_ms
+"""
+COUNTED = ("pending", "running", "completed", "failed")
+SUMMARY_KEYS = ("first_started_at", "last_finished_at", "duration_ms", "failing_step")
+
+# One instance: its records joined by its id, so that on Citus the statement goes to the one
+# shard that holds it (a LATERAL subquery of its records went to every shard).
+GET_INSTANCE = f"""
+SELECT c.*, {SUMMARY}
+FROM (
+    SELECT p.id, p.instance_key, p.created_at, p.labels,
+           count(r.id) FILTER (WHERE r.status = 'pending') AS pending,
+           count(r.id) FILTER (WHERE r.status = 'running') AS running,
+           count(r.id) FILTER (WHERE r.status = 'completed') AS completed,
+           count(r.id) FILTER (WHERE r.status = 'failed') AS failed,
+           min(r.started_at) AS first_started_at,
+           max(r.completed_at) AS last_finished_at,
+           (array_agg(r.step_slug ORDER BY r.completed_at DESC, r.id DESC)
+               FILTER (WHERE r.status = 'failed'))[1] AS failing_step
+    FROM process_instance p
+    LEFT JOIN workflow_step_record r ON r.instance_id = p.id
+    WHERE {THE_INSTANCE}
+    GROUP BY p.id
+) c
+"""
+
+
+def shaped_instance(row: dict[str, Any]) -> dict[str, Any]:
+    """An instance as the API shows it: its step counts and its summary apart."""
+    counts = {status: row.pop(status) for status in COUNTED}
+    summary = {"status": row.pop("summary_status")}
+    summary |= {key: row.pop(key) for key in SUMMARY_KEYS}
+    return {**row, "step_counts": counts, "summary": summary}
 
 
 async def get_instance(conn: AsyncConn, instance_key: str) -> dict[str, Any]:
@@ -112,18 +157,9 @@ async def get_instance(conn: AsyncConn, instance_key: str) -> dict[str, Any]:
     row = await cur.fetchone()
     if row is None:
         raise InstanceNotFound(instance_key)
-    counts = {status: row.pop(status) for status in COUNTED}
-    return {**row, "step_counts": counts}
+    return shaped_instance(row)
 
 
-STEP_COUNTS = """
-    SELECT count(*) FILTER (WHERE r.status = 'pending') AS pending,
-           count(*) FILTER (WHERE r.status = 'running') AS running,
-           count(*) FILTER (WHERE r.status = 'completed') AS completed,
-           count(*) FILTER (WHERE r.status = 'failed') AS failed
-    FROM workflow_step_record r WHERE r.instance_id = p.id
-"""
-COUNTED = ("pending", "running", "completed", "failed")
 Trouble = Literal["failed", "running"]
 
 # Keys starting with a prefix: the range is what the index `ix_process_instance_instance_key_
@@ -133,6 +169,8 @@ IN_PREFIX = (
     "p.instance_key ~>=~ %(prefix_low)s AND p.instance_key ~<~ %(prefix_high)s"
     " AND p.instance_key LIKE %(prefix_like)s"
 )
+# Instances holding every label asked for: the GIN index `ix_process_instance_labels` reads it.
+WITH_LABELS = "p.labels @> %(labels)s::jsonb"
 
 
 def prefix_params(prefix: str) -> dict[str, str]:
@@ -143,24 +181,55 @@ def prefix_params(prefix: str) -> dict[str, str]:
     return {"prefix_low": prefix, "prefix_high": high, "prefix_like": like}
 
 
-def list_instances_query(*, prefix: bool, has: Trouble | None) -> str:
-    """Instances newest first with their step counts; a key prefix reads the prefix index, a
-    status filter probes the partial index of running and failed records per instance."""
+def labels_params(labels: dict[str, str] | None) -> dict[str, str]:
+    """The parameter of `WITH_LABELS`: the labels as a JSON object."""
+    return {} if not labels else {"labels": json.dumps(labels)}
+
+
+def prepared(labels: dict[str, str] | None) -> bool | None:
+    """`prepare=` of a statement filtered by `labels`: False, planned with its labels on every
+    call, never by a prepared statement's generic plan. The plan for a label that 100
+    instances hold (read them from the labels' index, then sort) is not the plan for one that
+    a third hold (read the newest first, keep those that match), and a generic plan cannot
+    tell them apart: the second plan, given a label that nothing holds, reads every row."""
+    return False if labels else None
+
+
+def list_instances_query(
+    *, prefix: bool, has: Trouble | None, labels: bool = False, created_after: bool = False
+) -> str:
+    """Instances newest first (their step counts and summaries: `PAGE_SUMMARIES`); a key
+    prefix reads the prefix index, labels the labels' index, and a status filter probes the
+    partial index of running and failed records per instance."""
     where = ["(p.created_at, p.id) < (%(before_created_at)s, %(before_id)s)"]
     if prefix:
         where.append(IN_PREFIX)
+    if labels:
+        where.append(WITH_LABELS)
+    if created_after:
+        where.append("p.created_at > %(created_after)s")
     if has is not None:
         where.append(
             "EXISTS (SELECT FROM workflow_step_record f"
             f" WHERE f.instance_id = p.id AND f.status = '{has}')"
         )
     return f"""
-SELECT p.id, p.instance_key, p.created_at, c.*
+SELECT p.id, p.instance_key, p.created_at, p.labels
 FROM process_instance p
-CROSS JOIN LATERAL ({STEP_COUNTS}) c
 WHERE {" AND ".join(where)}
 ORDER BY p.created_at DESC, p.id DESC
 LIMIT %(limit)s
+"""
+
+
+# The step counts and summaries of a page of instances, by their ids: read after the page, so
+# that they are computed for its instances alone (joined into the page's statement, they
+# were computed for every instance a label matched before the sort kept a page of them).
+PAGE_SUMMARIES = f"""
+SELECT p.id, c.*, {SUMMARY}
+FROM process_instance p
+CROSS JOIN LATERAL ({STEP_COUNTS}) c
+WHERE p.id = ANY(%(ids)s)
 """
 
 
@@ -169,24 +238,34 @@ async def list_instances(
     *,
     prefix: str | None = None,
     has: Trouble | None = None,
+    labels: dict[str, str] | None = None,
+    created_after: datetime | None = None,
     before: Sequence[Any] | None,
     limit: int,
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Instances newest first, each with its `step_counts`; only those whose key starts with
-    `prefix`, and only those with a step in status `has`, when given. `before` is
-    `(created_at, id)` of the last one seen."""
+    """Instances newest first, each with its `step_counts`, `labels` and `summary`; only
+    those whose key starts with `prefix`, holding every label of `labels`, created after
+    `created_after`, and with a step in status `has` (for `failed`: and none running), when
+    given. `before` is `(created_at, id)` of the last one seen."""
     created_at, last_id = before if before else ("infinity", 0)
     params: dict[str, Any] = {
         "before_created_at": created_at,
         "before_id": last_id,
+        "created_after": created_after,
         "limit": limit + 1,
     }
     if prefix:
         params |= prefix_params(prefix)
-    cur = await conn.execute(list_instances_query(prefix=bool(prefix), has=has), params)
+    params |= labels_params(labels)
+    query = list_instances_query(
+        prefix=bool(prefix), has=has, labels=bool(labels), created_after=bool(created_after)
+    )
+    cur = await conn.execute(query, params, prepare=prepared(labels))
     rows = await cur.fetchall()
-    for row in rows:
-        row["step_counts"] = {status: row.pop(status) for status in COUNTED}
+    if rows:
+        cur = await conn.execute(PAGE_SUMMARIES, {"ids": [row["id"] for row in rows[:limit]]})
+        found = {row.pop("id"): row for row in await cur.fetchall()}
+        rows = [shaped_instance({**row, **found[row["id"]]}) for row in rows[:limit]] + rows[limit:]
     if len(rows) > limit:
         return rows[:limit], rows[limit - 1]
     return rows, None
@@ -239,9 +318,14 @@ async def list_attempts(
     return Page(items, None)
 
 
-def _recent_branch(status: str, *, updated_after: bool, lease_expired: bool) -> str:
-    """Records of one status, newest `updated_at` first, read backwards from an index."""
+def _recent_branch(
+    status: str, *, updated_after: bool, lease_expired: bool, labels: bool = False
+) -> str:
+    """Records of one status, newest `updated_at` first, read backwards from an index; with
+    `labels`, of the instances holding them."""
     where = [f"r.status = '{status}'", "(r.updated_at, r.id) < (%(before)s, %(before_id)s)"]
+    if labels:
+        where.append(WITH_LABELS)
     if updated_after:
         where.append("r.updated_at > %(updated_after)s")
     if lease_expired:
@@ -255,7 +339,12 @@ def _recent_branch(status: str, *, updated_after: bool, lease_expired: bool) -> 
 
 
 def list_recent_query(
-    statuses: Sequence[str], *, updated_after: bool, lease_expired: bool, prefix: bool = False
+    statuses: Sequence[str],
+    *,
+    updated_after: bool,
+    lease_expired: bool,
+    prefix: bool = False,
+    labels: bool = False,
 ) -> str:
     """Records of the given statuses across instances, newest `updated_at` first.
 
@@ -264,12 +353,15 @@ def list_recent_query(
     One status is its branch alone, a statement of its own: on Citus its ORDER BY and LIMIT
     then go to every shard in one distributed statement (as a subquery it was a subplan
     whose result the coordinator stored, then read back). Within a key prefix, the prefix's
-    instances are read first instead (`_in_prefix_query`).
+    instances are read first instead (`_in_prefix_query`). With `labels`, only the records
+    of instances holding them (the planner reads the labels' index first when few match).
     """
     if prefix:
-        return _in_prefix_query(statuses, updated_after=updated_after, lease_expired=lease_expired)
+        return _in_prefix_query(
+            statuses, updated_after=updated_after, lease_expired=lease_expired, labels=labels
+        )
     branches = [
-        _recent_branch(s, updated_after=updated_after, lease_expired=lease_expired)
+        _recent_branch(s, updated_after=updated_after, lease_expired=lease_expired, labels=labels)
         for s in statuses
     ]
     if len(branches) == 1:
@@ -278,7 +370,9 @@ def list_recent_query(
     return f"SELECT s.* FROM ({merged} ORDER BY updated_at DESC, id DESC LIMIT %(limit)s) s"
 
 
-def _in_prefix_query(statuses: Sequence[str], *, updated_after: bool, lease_expired: bool) -> str:
+def _in_prefix_query(
+    statuses: Sequence[str], *, updated_after: bool, lease_expired: bool, labels: bool = False
+) -> str:
     """Records of the given statuses of the instances whose key starts with a prefix, newest
     `updated_at` first: the instances are read from the prefix's range of keys (materialized,
     so the plan never scans every record and filters by key afterwards), then their records
@@ -291,8 +385,11 @@ def _in_prefix_query(statuses: Sequence[str], *, updated_after: bool, lease_expi
         where.append("r.updated_at > %(updated_after)s")
     if lease_expired:
         where += ["r.lease_expires_at IS NOT NULL", "r.lease_expires_at < clock_timestamp()"]
+    within = f" AND {WITH_LABELS}" if labels else ""
     return f"""
-WITH p AS MATERIALIZED (SELECT p.id, p.instance_key FROM process_instance p WHERE {IN_PREFIX})
+WITH p AS MATERIALIZED (
+    SELECT p.id, p.instance_key FROM process_instance p WHERE {IN_PREFIX}{within}
+)
 SELECT p.instance_key, r.instance_id, {RECORD.format(r="r")}
 FROM p JOIN workflow_step_record r ON r.instance_id = p.id
 WHERE {" AND ".join(where)}
@@ -305,6 +402,7 @@ async def list_recent(
     conn: AsyncConn,
     *,
     prefix: str | None = None,
+    labels: dict[str, str] | None = None,
     statuses: Sequence[str],
     updated_after: datetime | None,
     lease_expired: bool,
@@ -313,7 +411,8 @@ async def list_recent(
 ) -> Page:
     """Records across instances, newest `updated_at` first; `before` is `(updated_at, id)`
     of the last one seen. `lease_expired` keeps running records whose lease has expired;
-    `prefix` only the records of instances whose key starts with it."""
+    `prefix` only the records of instances whose key starts with it; `labels` only those of
+    instances holding every one of them."""
     if lease_expired:
         statuses = [s for s in statuses if s == "running"]
     if not statuses:
@@ -323,6 +422,7 @@ async def list_recent(
         updated_after=updated_after is not None,
         lease_expired=lease_expired,
         prefix=bool(prefix),
+        labels=bool(labels),
     )
     before_at, before_id = before if before else ("infinity", 0)
     params: dict[str, Any] = {
@@ -333,7 +433,8 @@ async def list_recent(
     }
     if prefix:
         params |= prefix_params(prefix)
-    cur = await conn.execute(query, params)
+    params |= labels_params(labels)
+    cur = await conn.execute(query, params, prepare=prepared(labels))
     rows = await cur.fetchall()
     for row in rows:
         del row["instance_id"]

@@ -32,6 +32,7 @@ CALL = (
     "steprecord_prune_lock",
     "steprecord_prune_due",
     "steprecord_prune_delete",
+    "steprecord_patch_labels",
 )
 
 

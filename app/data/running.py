@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.data.common import RECORD
-from app.data.reads import IN_PREFIX, prefix_params
+from app.data.reads import IN_PREFIX, WITH_LABELS, labels_params, prefix_params, prepared
 from app.db import AsyncConn
 from app.domain import Page
 
@@ -21,11 +21,15 @@ _RUNNING = (
 )
 
 
-def long_running_query(*, prefix: bool, no_lease: bool) -> str:
+def long_running_query(*, prefix: bool, no_lease: bool, labels: bool = False) -> str:
+    """With a key prefix or labels, their instances are read first."""
     where = _RUNNING + (" AND r.lease_expires_at IS NULL" if no_lease else "")
-    if prefix:
+    if prefix or labels:
+        within = " AND ".join(
+            [*([IN_PREFIX] if prefix else []), *([WITH_LABELS] if labels else [])]
+        )
         return f"""
-WITH p AS MATERIALIZED (SELECT p.id, p.instance_key FROM process_instance p WHERE {IN_PREFIX})
+WITH p AS MATERIALIZED (SELECT p.id, p.instance_key FROM process_instance p WHERE {within})
 SELECT p.instance_key, {RECORD.format(r="r")}
 FROM p JOIN workflow_step_record r ON r.instance_id = p.id
 WHERE {where}
@@ -47,6 +51,7 @@ async def list_long_running(
     *,
     older_than: float,
     prefix: str | None = None,
+    labels: dict[str, str] | None = None,
     no_lease: bool = False,
     after: Sequence[Any] | None,
     limit: int,
@@ -63,7 +68,9 @@ async def list_long_running(
     }
     if prefix:
         params |= prefix_params(prefix)
-    cur = await conn.execute(long_running_query(prefix=bool(prefix), no_lease=no_lease), params)
+    params |= labels_params(labels)
+    query = long_running_query(prefix=bool(prefix), no_lease=no_lease, labels=bool(labels))
+    cur = await conn.execute(query, params, prepare=prepared(labels))
     rows = await cur.fetchall()
     if len(rows) > limit:
         return Page(rows[:limit], rows[limit - 1])

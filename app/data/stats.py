@@ -9,7 +9,7 @@ record's primary key: the cost grows with the attempts in the window, not with t
 from datetime import datetime
 from typing import Any
 
-from app.data.reads import IN_PREFIX, prefix_params
+from app.data.reads import IN_PREFIX, WITH_LABELS, labels_params, prefix_params, prepared
 from app.db import AsyncConn
 
 # A slug names one run of a step in two shapes, whose statistics are the step name's:
@@ -40,15 +40,21 @@ NAME_OF = (
 )
 
 
-def step_stats_query(*, prefix: bool) -> str:
+def _within(*, prefix: bool, labels: bool) -> str:
+    """The attempts' instances: those of a key prefix, holding labels, or both."""
+    where = [*([IN_PREFIX] if prefix else []), *([WITH_LABELS] if labels else [])]
+    if not where:
+        return ""
+    return (
+        f" AND a.instance_id IN (SELECT p.id FROM process_instance p WHERE {' AND '.join(where)})"
+    )
+
+
+def step_stats_query(*, prefix: bool, labels: bool = False) -> str:
     """The window's attempts from the covering index, each with its record's step name read
     by primary key in a subquery (never a join the planner could turn into a scan of every
     record: a hash join over the whole table was its choice from a day's window up)."""
-    within = (
-        f" AND a.instance_id IN (SELECT p.id FROM process_instance p WHERE {IN_PREFIX})"
-        if prefix
-        else ""
-    )
+    within = _within(prefix=prefix, labels=labels)
     return f"""
 SELECT a.name,
        count(*) FILTER (WHERE a.status = 'completed') AS completed,
@@ -77,13 +83,22 @@ def _ms(value: float | None) -> float | None:
 
 
 async def step_stats(
-    conn: AsyncConn, *, since: datetime, until: datetime, prefix: str | None, limit: int
+    conn: AsyncConn,
+    *,
+    since: datetime,
+    until: datetime,
+    prefix: str | None,
+    limit: int,
+    labels: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """One item per step name, most attempts first (see the module's docstring)."""
+    """One item per step name, most attempts first (see the module's docstring); `labels`:
+    only the attempts of instances holding every one of them."""
     params: dict[str, Any] = {"since": since, "until": until, "limit": limit}
     if prefix:
         params |= prefix_params(prefix)
-    cur = await conn.execute(step_stats_query(prefix=bool(prefix)), params)
+    params |= labels_params(labels)
+    query = step_stats_query(prefix=bool(prefix), labels=bool(labels))
+    cur = await conn.execute(query, params, prepare=prepared(labels))
     items = []
     for row in await cur.fetchall():
         done = row["completed"] + row["failed"]
@@ -120,19 +135,22 @@ ORDER BY h.hour
 
 
 async def failures_per_hour(
-    conn: AsyncConn, *, since: datetime, until: datetime, prefix: str | None
+    conn: AsyncConn,
+    *,
+    since: datetime,
+    until: datetime,
+    prefix: str | None,
+    labels: dict[str, str] | None = None,
 ) -> list[tuple[datetime, int]]:
     """Failed attempts per hour (by the hour they started) from `since` to `until`, every
     hour listed, from the same index as the statistics."""
-    within = (
-        f" AND a.instance_id IN (SELECT p.id FROM process_instance p WHERE {IN_PREFIX})"
-        if prefix
-        else ""
-    )
+    within = _within(prefix=bool(prefix), labels=bool(labels))
     params: dict[str, Any] = {"since": since, "until": until}
     if prefix:
         params |= prefix_params(prefix)
-    cur = await conn.execute(FAILURES_PER_HOUR.format(within=within), params)
+    params |= labels_params(labels)
+    query = FAILURES_PER_HOUR.format(within=within)
+    cur = await conn.execute(query, params, prepare=prepared(labels))
     return [(row["hour"], row["failed"]) for row in await cur.fetchall()]
 
 
@@ -148,17 +166,21 @@ FAILURES_PER_HOUR_OF_STEP = FAILURES_PER_HOUR.replace(
 
 
 async def failures_per_hour_of_step(
-    conn: AsyncConn, name: str, *, since: datetime, until: datetime, prefix: str | None
+    conn: AsyncConn,
+    name: str,
+    *,
+    since: datetime,
+    until: datetime,
+    prefix: str | None,
+    labels: dict[str, str] | None = None,
 ) -> list[tuple[datetime, int]]:
     """`failures_per_hour` of the attempts of step `name` only, as `/v1/stats/steps` names
     steps (a Celery task over every task id, a mapped task over every map index)."""
-    within = (
-        f" AND a.instance_id IN (SELECT p.id FROM process_instance p WHERE {IN_PREFIX})"
-        if prefix
-        else ""
-    )
+    within = _within(prefix=bool(prefix), labels=bool(labels))
     params: dict[str, Any] = {"since": since, "until": until, "name": name}
     if prefix:
         params |= prefix_params(prefix)
-    cur = await conn.execute(FAILURES_PER_HOUR_OF_STEP.format(within=within), params)
+    params |= labels_params(labels)
+    query = FAILURES_PER_HOUR_OF_STEP.format(within=within)
+    cur = await conn.execute(query, params, prepare=prepared(labels))
     return [(row["hour"], row["failed"]) for row in await cur.fetchall()]

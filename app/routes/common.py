@@ -9,9 +9,10 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import AwareDatetime, BeforeValidator, StringConstraints
 
+from app.bodies import check_labels
 from app.db import AsyncConn, Pool
 from app.errors import Problem, validation_problem
-from app.limits import KEY_PATTERN, MAX_OUTPUT_BYTES, NAME_PATTERN
+from app.limits import KEY_PATTERN, MAX_LABELS, MAX_OUTPUT_BYTES, NAME_PATTERN
 from app.models import STATUSES
 from app.nodes import Nodes
 from app.replica import ReadPool
@@ -93,6 +94,41 @@ StepSlug = Annotated[str, Path(pattern=NAME_PATTERN, max_length=200)]
 QueryTimestamp = Annotated[AwareDatetime, BeforeValidator(parse_timestamp)]
 # The start of instance keys: 1 to 200 characters of the key alphabet.
 KeyPrefix = Annotated[str, StringConstraints(pattern=KEY_PATTERN, max_length=200)]
+# Instances by their labels: `label=KEY=VALUE`, repeatable, every one must match.
+LabelFilter = Annotated[
+    list[str] | None,
+    Query(
+        description="`KEY=VALUE`: only instances with that label; repeat it and every one must"
+        " match (`label=env=prod&label=dag=etl_daily`)",
+    ),
+]
+
+
+def label_filter(labels: list[str] | None) -> dict[str, str] | None:
+    """The labels a list keeps (`label=KEY=VALUE`, repeated), or None for no filter; a
+    malformed one is a 422 naming it. Keys and values have the labels' own limits."""
+    if not labels:
+        return None
+    wanted: dict[str, str] = {}
+    for item in labels:
+        key, sep, value = item.partition("=")
+        message = None
+        if not sep:
+            message = f"{item[:80]!r}: must be KEY=VALUE, e.g. label=env=prod"
+        else:
+            try:
+                check_labels({key: value})
+            except ValueError as exc:
+                message = str(exc)
+        if message is None and wanted.get(key, value) != value:
+            message = f"{key!r} is asked with two values: an instance has one value a key"
+        if message is not None:
+            raise validation_problem([{"field": "label", "message": message}])
+        wanted[key] = value
+    if len(wanted) > MAX_LABELS:
+        message = f"{len(wanted)} labels, over the limit of {MAX_LABELS}"
+        raise validation_problem([{"field": "label", "message": message}])
+    return wanted
 
 
 def json_response(body: Any, status: int = 200) -> Response:

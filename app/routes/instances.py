@@ -1,5 +1,6 @@
-"""The instance routes: one instance with its step counts, the list of instances, and deleting
-one (its records and their history go with it; its streams end)."""
+"""The instance routes: one instance with its step counts, labels and summary, the list of
+instances, setting and removing an instance's labels, and deleting one (its records and their
+history go with it; its streams end)."""
 
 from typing import Annotated, Literal
 
@@ -7,15 +8,23 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from app import access, cursors, schemas, tenancy
+from app.bodies import InstancePatch, parse_instance_patch
+from app.data import labels as label_data
 from app.data import reads, retention
 from app.errors import Problem
 from app.routes.common import (
+    MAX_BODY_BYTES,
     InstanceKey,
     KnownQuery,
+    LabelFilter,
     PageLimit,
+    QueryTimestamp,
     json_response,
+    label_filter,
+    pools_for,
     primary_pool,
     read_instance,
+    read_json,
     read_pool,
 )
 
@@ -25,7 +34,7 @@ router = APIRouter(route_class=KnownQuery)
 @router.get(
     "/v1/instances/{instance_key}",
     tags=["reads"],
-    summary="An instance with its step counts",
+    summary="An instance with its step counts, labels and summary",
     responses=schemas.read_responses(schemas.Instance),
 )
 async def get_instance(request: Request, instance_key: InstanceKey) -> Response:
@@ -44,16 +53,51 @@ async def get_instance(request: Request, instance_key: InstanceKey) -> Response:
 )
 async def list_instances(
     request: Request,
+    label: LabelFilter = None,
+    status: Annotated[
+        Literal["running", "failed"] | None,
+        Query(description="`running`: with a running step; `failed`: with a failed step"),
+    ] = None,
+    created_after: Annotated[
+        QueryTimestamp | None, Query(description="Only instances created after this time")
+    ] = None,
     limit: PageLimit = 100,
     cursor: str | None = None,
 ) -> Response:
     before = None if cursor is None else cursors.instances_position(cursor)
-    prefix = tenancy.prefix_of(request.scope)
+    prefix = tenancy.prefix_of(request.scope)  # labels filter within it, never beyond
+    labels = label_filter(label)
     items, last = await read_pool(request).run(
-        lambda conn: reads.list_instances(conn, prefix=prefix, before=before, limit=limit)
+        lambda conn: reads.list_instances(
+            conn,
+            prefix=prefix,
+            has=status,
+            labels=labels,
+            created_after=created_after,
+            before=before,
+            limit=limit,
+        )
     )
     next_cursor = None if last is None else cursors.instances_cursor(last)
     return json_response({"items": items, "next_cursor": next_cursor})
+
+
+@router.patch(
+    "/v1/instances/{instance_key}",
+    tags=["events"],
+    summary="Set and remove an instance's labels (JSON Merge Patch)",
+    description='Write scope. `{"labels": {"env": "prod", "stale": null}}` sets `env` and'
+    " removes `stale`; the labels not named stay.",
+    responses=schemas.patch_responses(),
+    openapi_extra=schemas.request_body(InstancePatch, required=True),
+)
+async def patch_instance(request: Request, instance_key: InstanceKey) -> Response:
+    tenancy.check_write(request.scope, [instance_key])
+    patch = parse_instance_patch(await read_json(request, MAX_BODY_BYTES))
+    (pool,) = await pools_for(request, [instance_key])
+    async with pool.connection(name="patch_instance") as conn:
+        instance = await label_data.patch_labels(conn, instance_key, patch.labels)
+    return json_response(instance)
 
 
 @router.delete(

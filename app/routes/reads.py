@@ -17,11 +17,13 @@ from app.routes.common import (
     Fields,
     InstanceKey,
     KnownQuery,
+    LabelFilter,
     PageLimit,
     QueryTimestamp,
     StatusFilter,
     StepSlug,
     json_response,
+    label_filter,
     read_instance,
     read_pool,
     statuses,
@@ -178,6 +180,7 @@ async def stream_instance(
 async def list_recent_steps(
     request: Request,
     status: StatusFilter = None,
+    label: LabelFilter = None,
     updated_after: Annotated[
         QueryTimestamp | None, Query(description="Only records updated after this time")
     ] = None,
@@ -198,15 +201,17 @@ async def list_recent_steps(
     cursor: str | None = None,
     fields: Fields = "full",
 ) -> Response:
+    labels = label_filter(label)
     if running_longer_than is not None:
         return await _long_running(request, running_longer_than, status, updated_after,
-                                   lease_expired, limit, cursor, fields)  # fmt: skip
+                                   lease_expired, limit, cursor, fields, labels)  # fmt: skip
     only = statuses(status) or list(STATUSES)
     before = None if cursor is None else cursors.recent_position(cursor)
     page = await read_pool(request).run(
         lambda conn: data.list_recent(
             conn,
             prefix=tenancy.prefix_of(request.scope),
+            labels=labels,
             statuses=only,
             updated_after=updated_after,
             lease_expired=lease_expired == "true",
@@ -226,6 +231,7 @@ async def _long_running(
     limit: int,
     cursor: str | None,
     fields: str,
+    labels: dict[str, str] | None,
 ) -> Response:
     """`running_longer_than`: running records by `started_at`, a listing of its own."""
     others = {"updated_after": updated_after, "lease_expired": lease_expired}
@@ -241,6 +247,7 @@ async def _long_running(
             conn,
             older_than=seconds,
             prefix=tenancy.prefix_of(request.scope),
+            labels=labels,
             after=after,
             limit=limit,
         )

@@ -12,9 +12,11 @@ from app.errors import validation_problem
 from app.routes.common import (
     KeyPrefix,
     KnownQuery,
+    LabelFilter,
     Limit,
     QueryTimestamp,
     json_response,
+    label_filter,
     read_pool,
 )
 from app.serialize import timestamp
@@ -48,6 +50,7 @@ async def step_stats(
     prefix: Annotated[
         KeyPrefix | None, Query(description="Only instances whose key starts with this")
     ] = None,
+    label: LabelFilter = None,
     limit: Limit = 100,
 ) -> Response:
     end = until or datetime.now(UTC)
@@ -56,10 +59,13 @@ async def step_stats(
         raise validation_problem(
             [{"field": "since", "message": "must be before until (the window is since to until)"}]
         )
+    labels = label_filter(label)
     items: list[dict[str, Any]] = []
     reachable, within = tenancy.narrow(tenancy.prefix_of(request.scope), prefix)
     if reachable:
         items = await read_pool(request).run(
-            lambda conn: data.step_stats(conn, since=start, until=end, prefix=within, limit=limit)
+            lambda conn: data.step_stats(
+                conn, since=start, until=end, prefix=within, limit=limit, labels=labels
+            )
         )
     return json_response({"since": timestamp(start), "until": timestamp(end), "items": items})

@@ -14,6 +14,8 @@
 -- distribution argument: the coordinator sends the whole call to the worker that holds the
 -- instance. The statements use the id of the key itself (v_id), so a hand-written call with
 -- another id is judged by its key, as steprecord_apply_events judges it.
+-- Last, p_labels (default NULL): the event's labels, a JSON object of strings, which merge
+-- into its instance's (6 below).
 --
 -- Every statement reads or writes one table, by its distribution column (`instance_id =
 -- v_id`, `id = v_id`), never a join: on Citus an ordinary statement that Citus routes to the
@@ -38,6 +40,12 @@
 --      again (a concurrent creator of the step held that lock and has committed); then takes
 --      its ordinal (the client's, or the instance's next) and creates the record. Any other
 --      event is not_started.
+--   6. an event answered 2xx (created, applied, replay) merges its labels into its
+--      instance's (`||`: a key it names takes its value, a key it omits stays); a refused
+--      event writes nothing. The instance is written only when the labels change something
+--      (`@>`), so an orchestrator that sends the same labels with every event writes them
+--      once. Its row lock is taken after the record's, as a batch takes them
+--      (apply_events.sql), and only then. A new instance is created with them (5).
 -- An answer with no row: the instance went away between its creation and its lock (a
 -- concurrent DELETE): the caller calls again.
 --
@@ -50,7 +58,8 @@ CREATE OR REPLACE FUNCTION steprecord_apply_event(
     p_instance_id bigint, p_i int, p_instance_key text, p_step_slug text, p_kind text, p_attempt bigint,
     p_started_at timestamptz, p_completed_at timestamptz, p_output text,
     p_external_output_url text, p_error_code text, p_error_message text, p_ordinal bigint,
-    p_lease_seconds int, p_trace_id text DEFAULT NULL, p_reported_by text DEFAULT NULL
+    p_lease_seconds int, p_trace_id text DEFAULT NULL, p_reported_by text DEFAULT NULL,
+    p_labels jsonb DEFAULT NULL
 ) RETURNS TABLE (
     i integer, outcome text, recorded boolean,
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
@@ -78,6 +87,7 @@ DECLARE
     v_completed_at timestamptz;
     v_started_at timestamptz;
     v_recorded boolean := false;
+    v_outcome text;  -- the answer's outcome, for the labels (6)
     v_trace text := current_setting('steprecord.trace_id', true);  -- restored at the end
     v_writer text := current_setting('steprecord.writer', true);
 BEGIN
@@ -126,8 +136,8 @@ BEGIN
         -- ordinals one at a time. Its key is read again under the lock: a concurrent creator
         -- may have been another key with the same id.
         IF v_key IS NULL THEN
-            INSERT INTO process_instance (id, instance_key, next_ordinal)
-            VALUES (v_id, p_instance_key, 0)
+            INSERT INTO process_instance (id, instance_key, next_ordinal, labels)
+            VALUES (v_id, p_instance_key, 0, coalesce(p_labels, '{}'))
             ON CONFLICT DO NOTHING;
         END IF;
         SELECT p.instance_key, p.next_ordinal INTO v_key, v_next
@@ -157,6 +167,7 @@ BEGIN
 
     IF judged.id IS NOT NULL AND judged.outcome = 'applied' THEN
         -- 2. Applied: the event replaces the record's whole state, as `upd` does.
+        v_outcome := 'applied';
         RETURN QUERY
         UPDATE workflow_step_record r SET
             status = v_status,
@@ -228,6 +239,7 @@ BEGIN
                 p_error_message), false);
         END IF;
         -- 4. (and 3) Judged without a write of the record: the record as it stands.
+        v_outcome := judged.outcome;
         RETURN QUERY SELECT p_i, judged.outcome, v_recorded,
             judged.id, judged.step_slug, judged.ordinal, judged.status, judged.attempt_count,
             judged.output, judged.external_output_url, judged.started_at,
@@ -250,6 +262,7 @@ BEGIN
             -- A declare creates attempt 1, pending; a start or a terminal event creates its
             -- own attempt (the one it names, else 1). A client ordinal that another step
             -- holds fails uq_workflow_step_record_instance_id_ordinal.
+            v_outcome := 'created';
             RETURN QUERY
             INSERT INTO workflow_step_record AS r (
                 id, instance_id, step_slug, ordinal, status, attempt_count, output,
@@ -269,6 +282,13 @@ BEGIN
                       r.completed_at, r.lease_expires_at, r.error_code,
                       r.error_message, r.created_at, r.updated_at, r.updated_by;
         END IF;
+    END IF;
+
+    -- 6. The labels of an event answered 2xx, merged into its instance's when they change
+    --    something (decided on the row's newest version: the UPDATE waits for its lock).
+    IF p_labels IS NOT NULL AND v_outcome IN ('created', 'applied', 'replay') THEN
+        UPDATE process_instance p SET labels = p.labels || p_labels
+        WHERE p.id = v_id AND NOT p.labels @> p_labels;
     END IF;
     PERFORM set_config('steprecord.trace_id', coalesce(v_trace, ''), true);
 END

@@ -13,6 +13,10 @@
 -- updated_by (its history entry follows, attempt_history.sql), and a late report's entry as
 -- its reported_by. NULL: the caller named none (a hand-written call may; the service always
 -- names one), and what it writes shows no writer, as rows written before writers were kept.
+-- Then p_labels (default NULL: none sent), one element per event: the event's labels, a JSON
+-- object of strings, or NULL. The labels of the events answered 2xx (created, applied,
+-- replay) merge into their instance's, in event order (a key named again takes the later
+-- value; a key no event names stays as it is): `merged` and `bump` below.
 --
 -- The events must be of distinct steps: each is judged as if alone (the caller splits a
 -- list where a step repeats, so later events of a step see the earlier ones' effects).
@@ -67,7 +71,7 @@ CREATE OR REPLACE FUNCTION steprecord_apply_events(
     p_started_at timestamptz[], p_completed_at timestamptz[], p_output text[],
     p_external_output_url text[], p_error_code text[], p_error_message text[],
     p_ordinal bigint[], p_lease_seconds int[], p_trace_id text DEFAULT NULL,
-    p_reported_by text DEFAULT NULL
+    p_reported_by text DEFAULT NULL, p_labels jsonb[] DEFAULT NULL
 ) RETURNS TABLE (
     i integer, outcome text, recorded boolean,
     id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
@@ -112,7 +116,7 @@ BEGIN
         SELECT x.i, x.instance_key, steprecord_instance_id(x.instance_key) AS instance_id,
                x.step_slug, x.kind, x.attempt, x.started_at,
                x.completed_at, x.output::jsonb AS output, x.url, x.error_code,
-               x.error_message, x.ordinal,
+               x.error_message, x.ordinal, x.labels,
                judge_lease_expires_at(v_now, x.lease_seconds) AS lease_expires_at,
                v_now AS now,
                judge_event_status(x.kind) AS target,
@@ -120,9 +124,9 @@ BEGIN
         FROM unnest(
             p_i, p_instance_key, p_step_slug, p_kind, p_attempt, p_started_at, p_completed_at,
             p_output, p_external_output_url, p_error_code, p_error_message, p_ordinal,
-            p_lease_seconds
+            p_lease_seconds, p_labels
         ) AS x(i, instance_key, step_slug, kind, attempt, started_at, completed_at, output, url,
-               error_code, error_message, ordinal, lease_seconds)
+               error_code, error_message, ordinal, lease_seconds, labels)
     ),
     -- held: the instances that hold the events' ids (as this statement's snapshot sees
     -- them); known: those of the events' own keys. An id held by another key's instance is
@@ -278,12 +282,26 @@ BEGIN
                    OVER (PARTITION BY f.instance_key) AS s_total
         FROM fresh f
     ),
-    -- locked: the per-instance lock that gives concurrent new steps distinct ordinals
-    -- (taken in id order: no deadlock between two calls); base is the instance's counter.
+    -- relabel: the labels that the events of existing records answered 2xx (applied, replay)
+    -- bring to each instance, in event order (jsonb_object_agg keeps a key's last value).
+    relabel AS (
+        SELECT e.instance_id, jsonb_object_agg(kv.key, kv.value ORDER BY e.i) AS labels
+        FROM dec d JOIN e ON e.i = d.i, jsonb_each(e.labels) kv
+        WHERE d.outcome IN ('applied', 'replay')
+        GROUP BY e.instance_id
+    ),
+    -- locked: the per-instance lock that gives concurrent new steps distinct ordinals, and
+    -- the lock of an instance whose labels change (taken in id order: no deadlock between
+    -- two calls; after the records' locks in `cur`, as steprecord_apply_event takes them);
+    -- base is the instance's counter. An instance whose labels already hold what its
+    -- events bring is not locked for them (nor written).
     locked AS (
         SELECT p.id, p.instance_key, p.next_ordinal AS base FROM process_instance p
-        WHERE p.id = ANY (v_ids) AND p.id IN (SELECT instance_id FROM spans)
-          AND p.instance_key IN (SELECT instance_key FROM spans)
+        WHERE p.id = ANY (v_ids)
+          AND ((p.id IN (SELECT instance_id FROM spans)
+                AND p.instance_key IN (SELECT instance_key FROM spans))
+               OR EXISTS (SELECT 1 FROM relabel x
+                          WHERE x.instance_id = p.id AND NOT p.labels @> x.labels))
         ORDER BY p.id
         FOR UPDATE
     ),
@@ -295,12 +313,30 @@ BEGIN
                sp.s_total + GREATEST(COALESCE(l.base, 0), sp.a_total) AS next_ordinal
         FROM spans sp LEFT JOIN locked l ON l.instance_key = sp.instance_key
     ),
-    -- bump: advance the counters of the existing instances.
+    -- merged: each instance's labels from its events answered 2xx, the records they
+    -- created (within the ordinals' range) among them, in event order.
+    merged AS (
+        SELECT l.instance_id, jsonb_object_agg(kv.key, kv.value ORDER BY l.i) AS labels
+        FROM (SELECT d.i, e.instance_id, e.labels FROM dec d JOIN e ON e.i = d.i
+              WHERE d.outcome IN ('applied', 'replay')
+              UNION ALL
+              SELECT a.i, a.instance_id, e.labels FROM assigned a JOIN e ON e.i = a.i
+              WHERE a.ordinal <= 2147483647) l,
+             jsonb_each(l.labels) kv
+        GROUP BY l.instance_id
+    ),
+    -- bump: advance the counters of the existing instances, and merge their labels (one
+    -- UPDATE of each row: a statement updates a row once). A counter no new step moves and
+    -- labels no event brings stay as they are.
     bump AS (
-        UPDATE process_instance p SET next_ordinal = x.next_ordinal
-        FROM (SELECT DISTINCT locked_id, next_ordinal FROM assigned
-              WHERE locked_id IS NOT NULL) x
-        WHERE p.id = ANY (v_ids) AND p.id = x.locked_id
+        UPDATE process_instance p
+        SET next_ordinal = coalesce(x.next_ordinal, p.next_ordinal),
+            labels = p.labels || coalesce(m.labels, '{}')
+        FROM locked l
+        LEFT JOIN (SELECT DISTINCT locked_id, next_ordinal FROM assigned
+                   WHERE locked_id IS NOT NULL) x ON x.locked_id = l.id
+        LEFT JOIN merged m ON m.instance_id = l.id
+        WHERE p.id = ANY (v_ids) AND p.id = l.id
         RETURNING p.id
     ),
     -- new_instance: create the instances that do not exist, with the ids of their keys, in
@@ -310,8 +346,10 @@ BEGIN
     -- unique key is its arbiter) is skipped here: its events get no answer row and are called
     -- again, and the next call finds the instance, or answers the collision.
     new_instance AS (
-        INSERT INTO process_instance (id, instance_key, next_ordinal)
-        SELECT a.instance_id, a.instance_key, max(a.next_ordinal) FROM assigned a
+        INSERT INTO process_instance (id, instance_key, next_ordinal, labels)
+        SELECT a.instance_id, a.instance_key, max(a.next_ordinal),
+               coalesce((SELECT m.labels FROM merged m WHERE m.instance_id = a.instance_id), '{}')
+        FROM assigned a
         WHERE NOT EXISTS (SELECT 1 FROM known WHERE known.instance_key = a.instance_key)
         GROUP BY a.instance_id, a.instance_key
         ORDER BY a.instance_id

@@ -10,7 +10,8 @@
 -- for one of the schema's) and judge every write themselves:
 --   steprecord_apply_event, steprecord_apply_events, steprecord_heartbeat (the judge),
 --   steprecord_reopen (an operator's repair), steprecord_sweep_instance (the sweeper),
---   steprecord_delete_instance and steprecord_prune_* (deletion).
+--   steprecord_delete_instance and steprecord_prune_* (deletion), steprecord_patch_labels
+--   (an instance's labels).
 -- Each file revokes its functions from PUBLIC: only the owner, and the roles it granted
 -- EXECUTE, call them.
 --

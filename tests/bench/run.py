@@ -370,12 +370,12 @@ def judge_call(
     """A judge's statement of app/data/judge.py (APPLY_EVENT, APPLY_EVENTS) as a pgbench
     command, with the arguments the service passes: the index (or indexes), then each field of
     `judge.PARAMS` (its expression in `fields`, `missing` for the others), then the request's
-    trace id (none: no `traceparent`) and its writer."""
+    trace id (none: no `traceparent`), its writer, and the events' labels (none)."""
     unknown = set(fields) - set(judge.PARAMS)
     if unknown:
         raise ValueError(f"not fields of an event: {sorted(unknown)}")
     values = [fields.get(name, missing) for name in judge.PARAMS]
-    return pgbench_statement(statement, [index, *values, "NULL", f"'{writer}'"])
+    return pgbench_statement(statement, [index, *values, "NULL", f"'{writer}'", "NULL"])
 
 
 def limit_events_script(path: Path, writer: str = ANONYMOUS) -> Path:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, Self, TypeVar, overload
 
@@ -38,8 +38,10 @@ class AsyncRecorder:
         retry_backoff: float = 1.0,
         retry_backoff_max: float = 30.0,
         retry_jitter: bool = True,
+        labels: Mapping[str, str] | None = None,
     ) -> None:
         self._offload = offload
+        self._labels = _core.check_labels(labels)
         self._backoff = _core.Backoff(max_retries, backoff, max_backoff)
         self._pause = _core.RetryBackoff(retry_backoff, retry_backoff_max, retry_jitter)
         self._client = httpx.AsyncClient(
@@ -208,4 +210,5 @@ class _AsyncStepDecorator:
             rec._offload,
             self._lease_seconds,
             self._pause,
+            rec._labels,
         )

@@ -74,6 +74,9 @@ LEASE_CAP: Final = 86400
 _NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
 # An instance key may also hold `+` and `~` (an Airflow run id, e.g. `...T00:00:00+00:00`).
 _KEY_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+~-]{0,199}")
+_LABEL_KEY_RE: Final = re.compile(r"[A-Za-z0-9._/-]{1,63}")
+MAX_LABELS: Final = 32
+MAX_LABEL_VALUE_CHARS: Final = 200
 _CODE_INVALID_RE: Final = re.compile(r"[^A-Za-z0-9._:-]+")
 _URL_RE: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S+")
 # A JSON escape of NUL: "\u0000" preceded by an even number of backslashes.
@@ -206,6 +209,24 @@ def check_key(value: str, what: str = "instance key") -> str:
             f"starting with a letter or digit"
         )
     return value
+
+
+def check_labels(labels: Mapping[str, str] | None) -> dict[str, str] | None:
+    """Validate instance labels (the service's limits): at most 32, keys 1-63 characters of
+    ``[A-Za-z0-9._/-]``, values strings of at most 200 characters. A copy, or None for none."""
+    if not labels:
+        return None
+    if len(labels) > MAX_LABELS:
+        raise ValueError(f"{len(labels)} labels, over the limit of {MAX_LABELS}")
+    for key, value in labels.items():
+        if not isinstance(key, str) or _LABEL_KEY_RE.fullmatch(key) is None:
+            raise ValueError(f"invalid label key {key!r}: 1-63 characters of [A-Za-z0-9._/-]")
+        if not isinstance(value, str) or len(value) > MAX_LABEL_VALUE_CHARS:
+            raise ValueError(
+                f"invalid value of label {key!r}: a string of at most"
+                f" {MAX_LABEL_VALUE_CHARS} characters"
+            )
+    return dict(labels)
 
 
 def error_code_for(exc: BaseException) -> str:
@@ -652,13 +673,15 @@ def step_flow(
     has_offload: bool,
     lease_seconds: int | None = None,
     pause: RetryBackoff = NO_PAUSE,
+    labels: Mapping[str, str] | None = None,
 ) -> Flow:
     """The life of one call of a wrapped step (see the README); returns what the call returns.
 
     1. Read the record once. ``completed``: return its external URL or its output.
     2. Otherwise take the next attempt (see :func:`next_attempt`) and, per attempt,
        report ``start`` with explicit ``attempt`` and ``started_at`` (and ``lease_seconds``
-       when given); a :class:`StaleAttempt` here means the callback is not run.
+       when given, and the recorder's ``labels``, which the service merges into the
+       instance's); a :class:`StaleAttempt` here means the callback is not run.
     3. Run the callback, with heartbeats every third of the lease while it runs when
        ``lease_seconds`` is given. If it raises an :class:`Exception`, report ``fail`` and, while
        retries remain, wait as ``pause`` says and go again with attempt + 1; else re-raise
@@ -683,6 +706,8 @@ def step_flow(
     for round_ in range(retries + 1):
         started = now()
         start: dict[str, Any] = {"attempt": attempt, "started_at": timestamp(started)}
+        if labels:
+            start["labels"] = dict(labels)
         beat = None
         if lease_seconds is not None:
             start["lease_seconds"] = lease_seconds
@@ -871,6 +896,7 @@ def make_async_wrapper(
     offload: Callable[[Any], Any] | None,
     lease_seconds: int | None = None,
     pause: RetryBackoff = NO_PAUSE,
+    labels: Mapping[str, str] | None = None,
 ) -> Callable[..., Coroutine[Any, Any, Any]]:
     """Wrap ``fn`` (``async def`` or plain) into a coroutine function running :func:`step_flow`.
 
@@ -890,7 +916,7 @@ def make_async_wrapper(
             invoke: Callable[[], Awaitable[Any]] = lambda: fn(*args, **kwargs)  # noqa: E731
         else:
             invoke = lambda: invoke_plain(args, kwargs)  # noqa: E731
-        flow = step_flow(key, slug, retries, offload is not None, lease_seconds, pause)
+        flow = step_flow(key, slug, retries, offload is not None, lease_seconds, pause, labels)
         return await asyncio.create_task(drive_async(flow, send, invoke, offload))
 
     return wrapper

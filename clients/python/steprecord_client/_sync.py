@@ -7,7 +7,7 @@ import contextvars
 import functools
 import inspect
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, Self, TypeVar, overload
 
@@ -41,6 +41,9 @@ class Recorder:
     of that when ``retry_jitter`` (1 s, 2 s, 4 s, ... up to 30 s by default; ``0`` retries back
     to back). ``step()`` can override each of them.
 
+    ``labels`` (``{"env": "prod"}``) go with every attempt's ``start``: the service merges
+    them into the instance's labels, which its lists filter by (``?label=env=prod``).
+
     The recorder is thread-safe; use it as a context manager, or call :meth:`close`.
     """
 
@@ -57,8 +60,10 @@ class Recorder:
         retry_backoff: float = 1.0,
         retry_backoff_max: float = 30.0,
         retry_jitter: bool = True,
+        labels: Mapping[str, str] | None = None,
     ) -> None:
         self._offload = offload
+        self._labels = _core.check_labels(labels)
         self._backoff = _core.Backoff(max_retries, backoff, max_backoff)
         self._pause = _core.RetryBackoff(retry_backoff, retry_backoff_max, retry_jitter)
         self._client = httpx.Client(
@@ -250,13 +255,15 @@ class _StepDecorator:
         pause = self._pause
         if inspect.iscoroutinefunction(fn):
             return _core.make_async_wrapper(
-                fn, slug, retries, rec._send_in_thread, rec._offload, lease, pause
+                fn, slug, retries, rec._send_in_thread, rec._offload, lease, pause, rec._labels
             )
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             key = _core.require_instance(slug)
-            flow = _core.step_flow(key, slug, retries, rec._offload is not None, lease, pause)
+            flow = _core.step_flow(
+                key, slug, retries, rec._offload is not None, lease, pause, rec._labels
+            )
             return contextvars.copy_context().run(
                 _core.drive_sync, flow, rec._send, lambda: fn(*args, **kwargs), rec._offload
             )

@@ -24,6 +24,9 @@ whole story; in short:
   (``up_for_retry``) or not (``failed``). A sensor rescheduled between pokes and a deferred
   task keep one attempt: their ``running`` again with the same ``try_number`` is a replay,
   and the lease is extended to cover the wait.
+- **Labels.** Each ``start`` sets the dag run's labels ``airflow.dag``, ``airflow.owner``
+  (the task's owner) and ``airflow.run_type`` (``scheduled``, ``manual``, ...), so
+  ``GET /v1/instances?label=airflow.dag=etl&label=airflow.run_type=scheduled`` lists them.
 - **Closing.** A task process killed without a hook stops heartbeating, so the service's
   sweeper fails its attempt when the lease expires (``lease_expired``); and when the dag run
   ends, the steps of that run still recorded as running are failed with ``dag_run_ended``.
@@ -418,6 +421,7 @@ class _Try:
     stop: threading.Event = field(default_factory=threading.Event)
     finished: bool = False
     paused: bool = False
+    run_type: str | None = None  # the dag run's: scheduled, manual, backfill, ...
 
     def __post_init__(self) -> None:
         self.key = instance_key(self.dag_id, self.run_id)
@@ -430,6 +434,17 @@ class _Try:
     @property
     def name(self) -> str:
         return f"{self.slug} in {self.key} (try {self.attempt})"
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """The labels its start sets on the dag run's instance: the dag, its owner, and the
+        run's type (each value cut to the labels' limit; one unknown is left out)."""
+        found = {
+            "airflow.dag": self.dag_id,
+            "airflow.owner": self.details.get("owner"),
+            "airflow.run_type": self.run_type,
+        }
+        return {k: str(v)[: _core.MAX_LABEL_VALUE_CHARS] for k, v in found.items() if v}
 
     @classmethod
     def of(cls, ti: Any) -> _Try:
@@ -466,7 +481,22 @@ class _Try:
             ended=ended,
             details=details,
             pause=_pause_of(task),
+            run_type=_run_type(ti),
         )
+
+
+# The run types Airflow 3 names in its run ids (`scheduled__2026-12-06T00:00:00+00:00`).
+RUN_TYPES = ("scheduled", "manual", "backfill", "asset_triggered", "dataset_triggered")
+
+
+def _run_type(ti: Any) -> str | None:
+    """The dag run's type: its own (the scheduler's task instance holds its dag run), else
+    the one its run id starts with, else None."""
+    run_type = getattr(getattr(ti, "dag_run", None), "run_type", None)
+    if run_type is not None:
+        return _text(getattr(run_type, "value", run_type))
+    prefix = str(getattr(ti, "run_id", "")).partition("__")[0]
+    return prefix if prefix in RUN_TYPES else None
 
 
 def _pause_of(task: Any) -> int:
@@ -628,6 +658,7 @@ class SteprecordListener:
                 "attempt": one.attempt,
                 "started_at": _core.timestamp(one.started),
                 "lease_seconds": lease,
+                "labels": one.labels,
             }
             what = f"start of {one.name}"
             response = sender.send(what, _core.Http("POST", f"{one.path}/start", body))

@@ -31,6 +31,10 @@ short:
   and text when the task raises, when it asks for a retry (reported as the retry is
   published, before the next attempt can start) and when it is revoked while running
   (``error_code`` ``revoked``).
+- **Labels.** Each start sets two labels on its instance: ``celery.app`` (the app's
+  ``main`` name) and ``celery.queue`` (the queue the task came from, its delivery's routing
+  key), when known; ``labels=`` adds your own. Lists filter by them
+  (``GET /v1/instances?label=celery.queue=emails``).
 - **Traces.** With OpenTelemetry's API installed (the ``otel`` extra), every report carries
   the current trace context, so the attempt keeps the trace id of the task's span. Call
   ``CeleryInstrumentor().instrument()`` before :func:`record_celery`, so that the task's span
@@ -53,7 +57,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Final
@@ -131,6 +135,7 @@ class _Running:
     started: datetime
     stop: threading.Event = field(default_factory=threading.Event)
     reported: bool = False
+    labels: dict[str, str] = field(default_factory=dict)  # sent with its start
 
     @property
     def path(self) -> str:
@@ -150,8 +155,10 @@ class CeleryRecording:
         instance_key: RequestFn | None,
         step_slug: RequestFn | None,
         offload: Callable[[Any], str] | None,
+        labels: Mapping[str, str] | None = None,
     ) -> None:
         self.app = app
+        self._labels = _core.check_labels(labels) or {}
         self.base_url = base_url
         self.lease_seconds = lease_seconds
         self._token = token
@@ -309,6 +316,7 @@ class CeleryRecording:
                 return
             retries = int(getattr(request, "retries", 0) or 0)
             running = _Running(task_id, retries, *names, attempt=retries + 1, started=_core.now())
+            running.labels = self._labels_of(request)
             # The task's trace: its span when one is current (OpenTelemetry's Celery
             # instrumentation, connected before this), else the context its publisher sent.
             with _core.carried_trace(lambda name: getattr(request, name, None)):
@@ -320,6 +328,17 @@ class CeleryRecording:
         except Exception:
             log.exception("steprecord: recording the start of task %s failed", task_id)
 
+    def _labels_of(self, request: Any) -> dict[str, str]:
+        """The app's name and the task's queue (its delivery's routing key), with the labels
+        given to :func:`record_celery`; a value cut to the labels' limit."""
+        delivery = getattr(request, "delivery_info", None) or {}
+        found = {
+            "celery.app": getattr(self.app, "main", None),
+            "celery.queue": delivery.get("routing_key") if isinstance(delivery, dict) else None,
+        }
+        labels = {k: str(v)[: _core.MAX_LABEL_VALUE_CHARS] for k, v in found.items() if v}
+        return {**labels, **self._labels}
+
     def _start(self, running: _Running) -> None:
         """Report ``start``; a redelivered message whose attempt is already taken (running
         elsewhere, or swept) takes the next attempt after the record's current one."""
@@ -330,6 +349,7 @@ class CeleryRecording:
                 "attempt": running.attempt,
                 "started_at": _core.timestamp(running.started),
                 "lease_seconds": self.lease_seconds,
+                **({"labels": running.labels} if running.labels else {}),
             }
             response = self._send(what, _core.Http("POST", f"{running.path}/start", body))
             if response is None:
@@ -569,6 +589,7 @@ def record_celery(
     instance_key: RequestFn | None = None,
     step_slug: RequestFn | None = None,
     offload: Callable[[Any], str] | None = None,
+    labels: Mapping[str, str] | None = None,
 ) -> CeleryRecording:
     """Record every task of ``app`` in the steprecord service at ``base_url``.
 
@@ -577,8 +598,9 @@ def record_celery(
     ``Authorization: Bearer``; ``lease_seconds`` (1-86400) is each attempt's lease, renewed
     every third of it while the task runs. ``instance_key`` and ``step_slug``, callables of
     the task request, replace the default identities (``root_id``; ``"<name>:<id>"``).
-    ``offload(value) -> url`` stores a return value that is not JSON or over 1 MiB. Returns a
-    handle whose ``disconnect()`` stops recording.
+    ``offload(value) -> url`` stores a return value that is not JSON or over 1 MiB.
+    ``labels`` are set on every instance it records, besides ``celery.app`` and
+    ``celery.queue``. Returns a handle whose ``disconnect()`` stops recording.
     """
     lease = _core.check_lease(lease_seconds)
     if lease is None:
@@ -591,6 +613,7 @@ def record_celery(
         instance_key=instance_key,
         step_slug=step_slug,
         offload=offload,
+        labels=labels,
     )
     recording.connect()
     return recording
