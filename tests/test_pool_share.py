@@ -168,6 +168,21 @@ def flood_locked(
         watcher.close()
 
 
+def keys_on_one_node(url: str, keys: list[str]) -> list[str]:
+    """`keys`, each after the first given a suffix `-N` where needed so that all live on the
+    first one's node: on Citus the service keeps a pool per node, each with its own shares,
+    and the tests below flood one pool."""
+    node = node_of(url, keys[0])
+    found = [keys[0]]
+    for key in keys[1:]:
+        candidate, n = key, 0
+        while node_of(url, candidate) != node:
+            n += 1
+            candidate = f"{key}-{n}"
+        found.append(candidate)
+    return found
+
+
 def test_two_tokens_of_one_tenant_share_its_part_of_the_pool_and_another_tenant_goes_on(
     own_database: str,
 ) -> None:
@@ -180,10 +195,11 @@ def test_two_tokens_of_one_tenant_share_its_part_of_the_pool_and_another_tenant_
     calm = create_tenant_token(own_database, f"globex-{suffix}", f"globex-{suffix}:")
     url, proc = start_server(own_database, env=ENV)
     try:
-        flooders = [(first, f"{tenant}one"), (second, f"{tenant}two")]
-        answers = flood_locked(
-            own_database, url, flooders, calm, f"globex-{suffix}:calm", blocked=2
+        one, two, calm_key = keys_on_one_node(
+            own_database, [f"{tenant}one", f"{tenant}two", f"globex-{suffix}:calm"]
         )
+        flooders = [(first, one), (second, two)]
+        answers = flood_locked(own_database, url, flooders, calm, calm_key, blocked=2)
     finally:
         stop(proc)
     assert sorted(a.status_code for a in answers) == [200, 200] + [429] * (2 * FLOOD - 2)
@@ -200,8 +216,11 @@ def test_two_busy_tokens_leave_the_reserve_to_a_third(own_database: str) -> None
     calm = create_token(own_database, f"third-{suffix}")
     url, proc = start_server(own_database, env=ENV)
     try:
-        flooders = [(first, f"busy-a-{suffix}"), (second, f"busy-b-{suffix}")]
-        answers = flood_locked(own_database, url, flooders, calm, f"third-{suffix}", blocked=3)
+        one, two, calm_key = keys_on_one_node(
+            own_database, [f"busy-a-{suffix}", f"busy-b-{suffix}", f"third-{suffix}"]
+        )
+        flooders = [(first, one), (second, two)]
+        answers = flood_locked(own_database, url, flooders, calm, calm_key, blocked=3)
     finally:
         stop(proc)
     statuses = sorted(a.status_code for a in answers)
