@@ -635,8 +635,8 @@ async def _grant(args: argparse.Namespace, url: str) -> int:
             return 1
     print(
         f"granted {args.role!r} what the service needs: it reads every table and writes the"
-        " records only through the judge's functions; serve with DATABASE_URL naming it, and"
-        " run this again after each upgrade",
+        " records only through the judge's functions; serve with DATABASE_URL naming it"
+        " (`steprecord migrate` keeps these rights)",
         file=sys.stderr,
     )
     return 0
@@ -677,8 +677,8 @@ def main(argv: list[str] | None = None) -> int:
         help="let a role run the service: read, and write only through the judge",
         description="Grant ROLE what `serve` needs and nothing more: it reads every table and"
         " writes the records only through the judge's functions. Run it as the database's"
-        " owner, after `steprecord migrate` (and again after each upgrade); the role must"
-        " exist.",
+        " owner, after `steprecord migrate` (which keeps these rights through upgrades); the"
+        " role must exist.",
     )
     p_grant.add_argument("role")
     p_token = sub.add_parser("token", help="create, list or revoke access tokens")

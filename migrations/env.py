@@ -7,6 +7,7 @@ from sqlalchemy import Connection
 
 from app.config import Settings
 from app.data.revision import MIGRATION_LOCK
+from app.data.roles import keep_grants
 from app.db import sync_engine
 from app.distribution import distribute, has_citus, reaching_workers
 from app.main import COMPATIBLE_AHEAD
@@ -44,6 +45,9 @@ def upgrade_on(connection: Connection) -> None:
         # on one node. In the same transaction, under the same lock.
         with reaching_workers("distribute the schema on the Citus cluster"):
             distribute(connection)
+        # A runtime role keeps the rights `steprecord grant` gave it (app/data/roles.py).
+        with reaching_workers("grant the runtime roles the functions the migration made"):
+            keep_grants(connection)
 
 
 def run_migrations_online() -> None:

@@ -330,3 +330,24 @@ def test_serve_and_grant_say_what_to_do_when_run_as_the_wrong_role_or_too_early(
         not_owner = steprecord(runtime, "grant", role)
         assert not_owner.returncode == 1
         assert "the database's owner" in not_owner.stderr, not_owner.stderr
+
+
+def test_a_migration_that_creates_the_judge_again_keeps_the_runtime_role_s_right_to_call_it(
+    owner_and_runtime: tuple[str, str],
+) -> None:
+    """Revision 0035 drops and creates the judge's functions (their arguments changed), which
+    loses what was granted on them: `migrate` grants them again to the roles `steprecord
+    grant` made, so the runtime role judges on after an upgrade without another grant."""
+    owner, runtime = owner_and_runtime
+    config = alembic_config()
+    config.attributes["database_url"] = owner
+    command.downgrade(config, "-1")
+    assert steprecord(owner, "migrate").returncode == 0
+    with psycopg.connect(runtime) as conn:
+        row = conn.execute(
+            "SELECT outcome FROM steprecord_apply_event(steprecord_instance_id('order-1'), 0,"
+            " 'order-1', 'charge', 'start', 1, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)"
+        ).fetchone()
+    assert row == ("created",)
+    again = steprecord(owner, "migrate")  # at head: nothing to grant, nothing changed
+    assert again.returncode == 0, again.stderr

@@ -5,9 +5,14 @@ It reads every table of the schema and writes none of the records: the judge, th
 a repair and a deletion are calls of the functions that run with their owner's rights
 (app/sql/owner_rights.sql). Of the tokens it may note the last use, nothing else: tokens
 are made and revoked by the owner (`steprecord token`).
+
+A migration keeps what was granted: a revision that drops and creates one of those functions
+(its arguments changed) would leave the role unable to call it, so every migrate ends by
+granting each role `steprecord grant` made the functions it may not call (`keep_grants`).
 """
 
 from psycopg import sql
+from sqlalchemy import Connection
 
 from app.db import AsyncConn
 
@@ -56,3 +61,29 @@ async def grant(conn: AsyncConn, role: str) -> None:
     async with conn.transaction():
         for statement in grants(role):
             await conn.execute(statement)
+
+
+# The roles `steprecord grant` made: those granted UPDATE on api_token.last_used_at, which
+# nothing else grants.
+GRANTED = """
+SELECT DISTINCT a.grantee::regrole::text
+FROM pg_attribute t, aclexplode(t.attacl) a
+WHERE t.attrelid = to_regclass('api_token') AND t.attname = 'last_used_at'
+  AND a.privilege_type = 'UPDATE' AND a.grantee <> 0
+"""
+# Of the functions in `CALL` that the schema's revision has, those the role may not call.
+UNCALLABLE = """
+SELECT f FROM unnest(%s::text[]) f
+WHERE to_regproc(f) IS NOT NULL
+  AND NOT has_function_privilege(%s::regrole, to_regproc(f)::oid, 'EXECUTE')
+"""
+
+
+def keep_grants(connection: Connection) -> None:
+    """After a migration, in its transaction: each role `steprecord grant` made may call every
+    function of `CALL` again. Nothing when none is missing, so a migrate at head changes
+    nothing (on Citus it reaches no worker)."""
+    run = connection.exec_driver_sql
+    for (role,) in run(GRANTED).all():
+        for (function,) in run(UNCALLABLE, (list(CALL), role)).all():
+            run(f"GRANT EXECUTE ON FUNCTION {function} TO {role}")

@@ -43,9 +43,9 @@ Downgrade restores the functions as the revision before left them (`.down.sql`) 
 the index, the CHECKs and the column: the labels kept meanwhile are lost, so it refuses,
 unless forced, while any instance has a label, saying how many (`migrations/guard.py`).
 
-The judge's two functions take a new argument, so they are dropped and created: a runtime
-role (`steprecord grant`) loses its right to call them until `steprecord grant ROLE` is run
-again, as after every upgrade (docs/operations.md, "A runtime role for the service").
+The judge's two functions take a new argument, so they are dropped and created; a runtime
+role (`steprecord grant`) is granted them again by the migrate that runs this revision
+(app/data/roles.py, `keep_grants`).
 
 Revision ID: 0035
 Revises: 0034
