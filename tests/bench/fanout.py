@@ -734,7 +734,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"machine:    {run.CPUS} CPUs (nproc), {model}; load average"
                 f" {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the start",
                 f"postgresql: {version}",
-                f"command:    {shlex.join(sys.orig_argv)}",
+                f"command:    {shlex.join([Path(sys.orig_argv[0]).name, *sys.orig_argv[1:]])}",
                 f"service:    steprecord serve --workers 1; worker RSS idle"
                 f" {rss_mb(worker_of(base)):.0f} MB",
             ]
