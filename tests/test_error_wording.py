@@ -302,7 +302,7 @@ def test_a_heartbeat_without_a_start_says_to_call_start_first(client: httpx.Clie
     ("method", "path", "allowed"),
     [
         ("GET", "/v1/events", "POST"),
-        ("PUT", "/v1/instances/order-1", "DELETE or GET"),
+        ("PUT", "/v1/instances/order-1", "DELETE or GET or PATCH"),
         ("GET", "/v1/instances/order-1/steps/charge/start", "POST"),
     ],
 )
@@ -568,7 +568,9 @@ def test_a_misspelt_batch_field_gets_the_field_meant(client: httpx.Client) -> No
 def test_a_field_like_no_other_lists_the_fields_taken(client: httpx.Client) -> None:
     found = problem(post(client, "start", {"zzz": 1}), 422, "validation_error")
     message = found["errors"][0]["message"]
-    assert message == "unknown field: this event takes attempt, started_at, ordinal, lease_seconds"
+    assert message == (
+        "unknown field: this event takes attempt, started_at, ordinal, lease_seconds, labels"
+    )
 
 
 @pytest.mark.parametrize("value", ["2026-12-02", "2026-12-02T10:00:00", "yesterday"])

@@ -222,6 +222,8 @@ def test_the_label_filter_reads_the_labels_index(
         """,
         (160_000 if citus else 20_000,),
     )
+    if not citus:  # the rows are in the index's pending list, which a scan reads whole
+        db.execute("SELECT gin_clean_pending_list('ix_process_instance_labels')")
     db.execute("ANALYZE process_instance")
     query = reads.list_instances_query(prefix=False, has=None, labels=True)
     params = {
