@@ -705,6 +705,20 @@ def test_streams_opened_while_writes_go_on_miss_and_repeat_nothing(
                 assert seen.index((f"s{n}", "running")) < seen.index((f"s{n}", "completed"))
 
 
+def opening() -> int:
+    """The streams past the gate: those that joined the snapshot read about to run."""
+    return sum(len(read.afters) for read in live._forming.values())
+
+
+async def until(check: Callable[[], bool]) -> None:
+    """Poll `check` on the event loop until it holds, failing after WAIT seconds."""
+    for _ in range(int(WAIT / 0.01)):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out waiting")
+
+
 def test_streams_opening_at_once_wait_their_turn_beyond_a_few_and_all_open(
     sharing_database: str,
 ) -> None:
@@ -736,17 +750,6 @@ def test_streams_opening_at_once_wait_their_turn_beyond_a_few_and_all_open(
                 answers[n].append(message.get("status") or message.get("body"))
 
             await app(asgi_scope("GET", "/v1/instances/gate/stream"), receive, send)
-
-        def opening() -> int:
-            """The streams past the gate: those that joined the snapshot read about to run."""
-            return sum(len(read.afters) for read in live._forming.values())
-
-        async def until(check: Callable[[], bool]) -> None:
-            for _ in range(int(WAIT / 0.01)):
-                if check():
-                    return
-                await asyncio.sleep(0.01)
-            raise AssertionError("timed out waiting")
 
         async with app.router.lifespan_context(app), contextlib.AsyncExitStack() as held:
             pool: Pool = app.state.pool
@@ -818,16 +821,6 @@ def test_one_tokens_wall_of_opening_streams_does_not_hold_up_another_tokens_stre
                 scope = asgi_scope("GET", "/v1/instances/gate/stream")
                 scope["headers"].append((b"authorization", f"Bearer {secrets[name]}".encode()))
                 await app(scope, receive, send)
-
-            def opening() -> int:
-                return sum(len(read.afters) for read in live._forming.values())
-
-            async def until(check: Callable[[], bool]) -> None:
-                for _ in range(int(WAIT / 0.01)):
-                    if check():
-                        return
-                    await asyncio.sleep(0.01)
-                raise AssertionError("timed out waiting")
 
             async with app.router.lifespan_context(app), contextlib.AsyncExitStack() as held:
                 pool: Pool = app.state.pool
