@@ -6,6 +6,7 @@ compared against the migrations by a test. The limits these constraints enforce,
 checks first, are in `app.limits`.
 """
 
+import secrets
 from datetime import datetime
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     Column,
+    Connection,
     DateTime,
     ForeignKey,
     ForeignKeyConstraint,
@@ -432,8 +434,22 @@ class AccessPolicy(SQLModel, table=True):
 
 
 # The function the CHECK ck_process_instance_id_derived calls, made before the table it
-# checks (the migrations install it from the same source).
+# checks (the migrations install it from the same source), and before it the secret it hashes
+# with: a new one for each schema made from these models, as revision 0036 makes one for each
+# database (64 random bytes, as the HMAC's two padded keys).
 INSTANCE_ID_SQL = (Path(__file__).resolve().parent / "sql" / "instance_id.sql").read_text()
+
+
+def _create_instance_id_key(_table: object, connection: Connection, **_: object) -> None:
+    secret = secrets.token_bytes(64)
+    pads = bytes(b ^ 0x36 for b in secret) + bytes(b ^ 0x5C for b in secret)
+    connection.exec_driver_sql(
+        "CREATE FUNCTION steprecord_instance_id_key() RETURNS bytea"
+        f" LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $fn$ SELECT '\\x{pads.hex()}'::bytea $fn$"
+    )
+
+
+event.listen(ProcessInstance.__table__, "before_create", _create_instance_id_key)  # type: ignore[attr-defined]
 event.listen(
     ProcessInstance.__table__,  # type: ignore[attr-defined]
     "before_create",

@@ -1,11 +1,15 @@
-"""An instance's id is derived from its key, so two keys never share rows.
+"""An instance's id is derived from its key, so two keys never share rows, and no tenant can
+aim a key at another's id.
 
-The id is the first 8 bytes of the key's SHA-256 (app/sql/instance_id.sql): whoever knows the
-key knows the id, which is what Citus routes by. Revision 0020 gives existing instances their
-derived ids (and their records and history follow); its downgrade keeps every row.
+The id is the first 8 bytes of the key's HMAC-SHA-256 under the database's own secret
+(app/sql/instance_id.sql, the secret made by revision 0036): the database, and so the
+service, knows the id of every key, which is what Citus routes by; no client can compute it.
+Revision 0020 gave existing instances their derived ids, revision 0036 their keyed ids (and
+their records, history and repair log follow); their downgrades keep every row.
 """
 
 import hashlib
+import hmac
 from typing import Any
 
 import httpx
@@ -15,21 +19,58 @@ from alembic import command
 
 from app.cli import migrate
 from app.main import alembic_config
-from tests.helpers import has_citus, problem, start_server, stop
+from tests.helpers import has_citus, migrated_database, problem, start_server, stop
 
 KEYS = ("order-1", "run-2", "fetch:3", "Z", "a" * 200)
 
 
 def sha256_prefix(key: str) -> int:
+    """The id revisions 0020 to 0035 gave a key."""
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big", signed=True)
 
 
-def test_an_instance_id_is_the_first_8_bytes_of_its_key_s_sha256(scratch_database: str) -> None:
+def database_secret(url: str) -> bytes:
+    """The secret K behind the padded keys the database keeps, checked to be HMAC's pads."""
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT steprecord_instance_id_key()").fetchone()
+    assert row is not None
+    pads = bytes(row[0])
+    assert len(pads) == 128
+    secret = bytes(b ^ 0x36 for b in pads[:64])
+    assert pads[64:] == bytes(b ^ 0x5C for b in secret)
+    return secret
+
+
+def hmac_prefix(secret: bytes, key: str) -> int:
+    digest = hmac.new(secret, key.encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def test_an_instance_id_is_the_first_8_bytes_of_its_key_s_hmac_under_the_database_s_secret(
+    scratch_database: str,
+) -> None:
     migrate(scratch_database)
+    secret = database_secret(scratch_database)
     with psycopg.connect(scratch_database) as conn:
         for key in KEYS:
             row = conn.execute("SELECT steprecord_instance_id(%s)", (key,)).fetchone()
-            assert row == (sha256_prefix(key),)
+            assert row == (hmac_prefix(secret, key),)
+            assert row != (sha256_prefix(key),)
+
+
+def test_each_database_makes_a_secret_of_its_own_so_a_key_s_id_cannot_be_known_outside_it(
+    scratch_database: str, server_dsn: str
+) -> None:
+    """Two databases migrated the same way give one key two ids: the secret is made at
+    random when the database is migrated, not shipped with the code."""
+    migrate(scratch_database)
+    with migrated_database(server_dsn, "steprecord_other_") as other:
+        assert database_secret(scratch_database) != database_secret(other)
+        ids_of = []
+        for url in (scratch_database, other):
+            with psycopg.connect(url) as conn:
+                ids_of.append(conn.execute("SELECT steprecord_instance_id('order-1')").fetchone())
+        assert ids_of[0] != ids_of[1]
 
 
 # --- revision 0020 -----------------------------------------------------------------------
@@ -116,7 +157,104 @@ def test_0020_gives_existing_instances_their_derived_ids_and_its_downgrade_keeps
     assert min(new)[0] > max(derived.values())
 
     command.upgrade(config, "head")
-    assert sha256_prefix("order-3") in ids(scratch_database).values()
+    keyed = hmac_prefix(database_secret(scratch_database), "order-3")
+    assert ids(scratch_database)["order-3"] == keyed
+
+
+# --- revision 0036 -----------------------------------------------------------------------
+
+# At revision 0035, one event per statement (each routed to its instance on Citus): order-1's
+# step finished and then reopened by hand (a repair log entry), order-2's attempt 1
+# superseded by attempt 2, order-3's step declared; labels on order-1.
+EVENT = (
+    "SELECT outcome FROM steprecord_apply_event(steprecord_instance_id(%(key)s), 0, %(key)s,"
+    " %(step)s, %(kind)s, %(attempt)s, now(), now(), %(output)s, NULL, NULL, NULL, NULL,"
+    " CASE WHEN %(kind)s = 'start' THEN 60 END, NULL, 'test', %(labels)s)"
+)
+EVENTS_0035 = [
+    ("order-1", "a", "start", 1, None, '{"env": "prod"}'),
+    ("order-1", "a", "complete", 1, '{"ok": true}', None),
+    ("order-2", "b", "start", 1, None, None),
+    ("order-2", "b", "start", 2, None, None),
+    ("order-3", "c", "declare", None, None, None),
+]
+REOPEN = (
+    "SELECT outcome FROM steprecord_reopen(steprecord_instance_id('order-1'), 'order-1', 'a', 1,"
+    " 'wrong output', 'test')"
+)
+# Everything an instance holds, by its key: the rows must come through a rewrite unchanged
+# but for their instance id (the foreign keys keep each under its instance's).
+EVERYTHING = """
+SELECT p.instance_key, p.next_ordinal, p.created_at, p.labels,
+       r.id, r.step_slug, r.ordinal, r.status, r.attempt_count, r.output, r.started_at,
+       r.completed_at, r.lease_expires_at, r.changed_xid, r.updated_by, r.updated_at,
+       (SELECT array_agg(array[a.id::text, a.attempt::text, a.status, a.reported_by]
+                         ORDER BY a.id)
+        FROM workflow_step_attempt a
+        WHERE a.instance_id = r.instance_id AND a.record_id = r.id),
+       (SELECT array_agg(array[x.id::text, x.action, x.reason, x.repaired_by] ORDER BY x.id)
+        FROM workflow_step_repair x
+        WHERE x.instance_id = r.instance_id AND x.record_id = r.id)
+FROM process_instance p JOIN workflow_step_record r ON r.instance_id = p.id
+ORDER BY 1, 6
+"""
+TRIGGERS_OFF = """
+SELECT tgname FROM pg_trigger WHERE NOT tgisinternal AND tgenabled <> 'O'
+"""
+
+
+def everything(url: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url) as conn:
+        return conn.execute(EVERYTHING).fetchall()
+
+
+def test_0036_gives_every_instance_its_keyed_id_and_its_downgrade_the_plain_one_back(
+    scratch_database: str,
+) -> None:
+    """On one node and on Citus (where the id is the distribution column, so each row moves
+    to its new id's shard): every row kept, with its history and repair log, under the new
+    id; the guards and live updates on again; the instances take their next events; and the
+    downgrade puts every row back under the plain SHA-256 id."""
+    config = alembic_config()
+    config.attributes["database_url"] = scratch_database
+    command.upgrade(config, "0035")
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        for key, step, kind, attempt, output, labels in EVENTS_0035:
+            params = {"key": key, "step": step, "kind": kind, "attempt": attempt}
+            conn.execute(EVENT, {**params, "output": output, "labels": labels})
+        assert conn.execute(REOPEN).fetchone() == ("reopened",)
+    before = everything(scratch_database)
+    assert [(row[0], len(row[16] or []), len(row[17] or [])) for row in before] == [
+        ("order-1", 1, 1),
+        ("order-2", 2, 0),
+        ("order-3", 0, 0),
+    ]
+
+    command.upgrade(config, "head")
+    assert everything(scratch_database) == before
+    secret = database_secret(scratch_database)
+    assert ids(scratch_database) == {
+        k: hmac_prefix(secret, k) for k in ("order-1", "order-2", "order-3")
+    }
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        assert conn.execute(TRIGGERS_OFF).fetchall() == []
+        # The guards are on again: a record's identities still never change.
+        with pytest.raises(psycopg.errors.CheckViolation) as caught:
+            conn.execute("UPDATE workflow_step_record SET ordinal = 7 WHERE step_slug = 'b'")
+        assert "ordinal and created_at never change" in str(caught.value)
+        # The judge finds each instance under its new id: a replay is a replay.
+        params = {"key": "order-2", "step": "b", "kind": "start", "attempt": 2}
+        row = conn.execute(EVENT, {**params, "output": None, "labels": None}).fetchone()
+        assert row == ("replay",)
+    assert everything(scratch_database) == before
+
+    command.downgrade(config, "0035")
+    assert everything(scratch_database) == before
+    assert ids(scratch_database) == {k: sha256_prefix(k) for k in ("order-1", "order-2", "order-3")}
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        assert conn.execute(TRIGGERS_OFF).fetchall() == []
+        gone = "SELECT 1 FROM pg_proc WHERE proname = 'steprecord_instance_id_key'"
+        assert conn.execute(gone).fetchall() == []
 
 
 # --- two keys, one id ----------------------------------------------------------------------

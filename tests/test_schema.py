@@ -418,6 +418,7 @@ def test_migrations_upgrade_downgrade_and_upgrade_again(scratch_database: str) -
         "steprecord_delete_instance",
         "steprecord_heartbeat",
         "steprecord_instance_id",
+        "steprecord_instance_id_key",
         "steprecord_list_page",
         "steprecord_patch_labels",
         "steprecord_prune_delete",

@@ -19,7 +19,7 @@ REFUSALS = {
     "not_running": (409, "that attempt is not running: it finished, or has not started"),
     "instance_key_collision": (
         409,
-        "this instance key's id (the first 8 bytes of its SHA-256) is already another key's"
+        "this instance key's id (derived from the key by the database) is already another key's"
         " instance, and two keys never share rows: use another instance key",
     ),
 }
