@@ -1,5 +1,6 @@
 """What the database itself refuses (raw SQL), the migrations, and the indexed reads."""
 
+import uuid
 from typing import Any
 
 import psycopg
@@ -559,3 +560,53 @@ def test_long_running_steps_read_the_running_index_without_sorting(
     text = task_plans(plan(big_table, query, params))
     assert "ix_workflow_step_record_running_started_at_id" in text, text
     assert "Sort" not in text, text
+
+
+GUARDED = (
+    (
+        "UPDATE workflow_step_record SET ordinal = ordinal + 100"
+        " WHERE instance_id = steprecord_instance_id(%(key)s)",
+        "workflow_step_record",
+        "tr_workflow_step_record_transition",
+    ),
+    (
+        "UPDATE workflow_step_attempt SET reported_by = 'by hand'"
+        " WHERE instance_id = steprecord_instance_id(%(key)s)",
+        "workflow_step_attempt",
+        "tr_workflow_step_attempt_guard",
+    ),
+    (
+        "UPDATE workflow_step_repair SET reason = 'by hand'"
+        " WHERE instance_id = steprecord_instance_id(%(key)s)",
+        "workflow_step_repair",
+        "tr_workflow_step_repair_guard",
+    ),
+)
+
+
+@pytest.mark.parametrize(("statement", "table", "guard"), GUARDED)
+def test_a_guard_s_refusal_reads_as_a_check_s_with_its_name_in_the_message(
+    database_url: str, statement: str, table: str, guard: str
+) -> None:
+    """SQLSTATE 23514 and `<table> ... violates constraint "<guard>"` in the message, as a
+    CHECK's refusal: on Citus, which relays a worker's SQLSTATE and message but not the
+    constraint field, a hand-written statement still says which guard refused it."""
+    key = f"guarded-{uuid.uuid4().hex[:8]}"
+    event = (
+        "SELECT outcome FROM steprecord_apply_event(steprecord_instance_id(%(key)s), 0, %(key)s,"
+        " 's', %(kind)s, 1, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 'test', NULL)"
+    )
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        for kind in ("start", "complete"):
+            conn.execute(event, {"key": key, "kind": kind})
+        reopen = (
+            "SELECT outcome FROM steprecord_reopen(steprecord_instance_id(%(key)s), %(key)s,"
+            " 's', 1, 'to see the guard', 'test')"
+        )
+        assert conn.execute(reopen, {"key": key}).fetchone() == ("reopened",)
+        with pytest.raises(psycopg.errors.CheckViolation) as caught:
+            conn.execute(statement, {"key": key})
+    message = caught.value.diag.message_primary or ""
+    assert message.startswith(table), message
+    assert f'violates constraint "{guard}"' in message, message
+    assert constraint_name(caught.value) == guard

@@ -31,8 +31,8 @@ def violation(exc: psycopg.errors.IntegrityError) -> ConstraintViolation:
 # message but without the constraint's name, and a constraint is the shard's copy, named
 # `<name>_<shard id>` (also in the name a worker's own session reports, when the service
 # calls the worker directly). The name is in PostgreSQL's own message
-# (`... constraint "<name>"`); the guards' triggers (app/sql/record_guard.sql,
-# attempt_history.sql, repair_log.sql) begin theirs with the table they guard.
+# (`... constraint "<name>"`), and in the guards' (app/sql/record_guard.sql,
+# attempt_history.sql, repair_log.sql), which say it the same way.
 # A name too long for its shard's suffix Citus shortens first: a prefix of it, then a hash
 # (`<prefix>_<8 hex digits>_<shard id>`); the key is the schema's one that begins so.
 _NAMED = re.compile(r'constraint "([^"]+)"')
@@ -43,11 +43,6 @@ _KEYS = sorted(
     for table in metadata.tables.values()
     for constraint in table.constraints
     if isinstance(constraint.name, str) and constraint.name.startswith(("pk_", "uq_", "fk_"))
-)
-_GUARDS = (
-    (re.compile(r"^workflow_step_record [0-9]+: "), "tr_workflow_step_record_transition"),
-    (re.compile(r"^workflow_step_attempt: "), "tr_workflow_step_attempt_guard"),
-    (re.compile(r"^workflow_step_repair: "), "tr_workflow_step_repair_guard"),
 )
 
 
@@ -64,8 +59,4 @@ def constraint_name(exc: psycopg.Error) -> str | None:
                 return key
         shard = _SHARD_SUFFIX.match(name)
         return shard[1] if shard else name
-    if isinstance(exc, psycopg.errors.CheckViolation):
-        for pattern, name in _GUARDS:
-            if pattern.match(message):
-                return name
     return None

@@ -178,7 +178,10 @@ BEGIN
         why := 'id, instance_id, record_id, attempt and created_at never change';
     END IF;
     IF why IS NOT NULL THEN
-        RAISE EXCEPTION 'workflow_step_attempt: %', why
+        -- The guard's name in the message too, as a CHECK's: Citus relays a worker's
+        -- SQLSTATE and message, not the constraint field.
+        RAISE EXCEPTION 'workflow_step_attempt violates constraint "%": %',
+                        'tr_workflow_step_attempt_guard', why
             USING ERRCODE = 'check_violation',
                   CONSTRAINT = 'tr_workflow_step_attempt_guard',
                   TABLE = 'workflow_step_attempt';

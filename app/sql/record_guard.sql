@@ -5,8 +5,10 @@
 -- The named CHECK constraints (migration 0001) hold each row's own truth: the closed status
 -- set, the content each status allows, the timing, the sizes. This trigger holds what only
 -- a comparison of the old and the new row can: the order of events. It raises
--- check_violation naming tr_workflow_step_record_transition, so a refused update reads like
--- a refused CHECK (the service answers 422 constraint_violation with the name).
+-- check_violation naming tr_workflow_step_record_transition, in the error's constraint field
+-- and in its message as a CHECK's does (Citus relays a worker's SQLSTATE and message, not
+-- the constraint field), so a refused update reads like a refused CHECK on one node and on a
+-- cluster (the service answers 422 constraint_violation with the name).
 CREATE OR REPLACE FUNCTION workflow_step_record_guard_transition() RETURNS trigger
 LANGUAGE plpgsql AS $fn$
 DECLARE
@@ -50,7 +52,8 @@ BEGIN
         why := 'a finished attempt never changes; only a higher attempt reopens it';
     END IF;
     IF why IS NOT NULL THEN
-        RAISE EXCEPTION 'workflow_step_record %: %', OLD.id, why
+        RAISE EXCEPTION 'workflow_step_record % violates constraint "%": %',
+                        OLD.id, 'tr_workflow_step_record_transition', why
             USING ERRCODE = 'check_violation',
                   CONSTRAINT = 'tr_workflow_step_record_transition',
                   TABLE = 'workflow_step_record';

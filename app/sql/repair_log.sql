@@ -29,7 +29,10 @@ BEGIN
         why := 'the repair log is written only by steprecord_reopen';
     END IF;
     IF why IS NOT NULL THEN
-        RAISE EXCEPTION 'workflow_step_repair: %', why
+        -- The guard's name in the message too, as a CHECK's: Citus relays a worker's
+        -- SQLSTATE and message, not the constraint field.
+        RAISE EXCEPTION 'workflow_step_repair violates constraint "%": %',
+                        'tr_workflow_step_repair_guard', why
             USING ERRCODE = 'check_violation',
                   CONSTRAINT = 'tr_workflow_step_repair_guard',
                   TABLE = 'workflow_step_repair';
