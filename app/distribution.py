@@ -134,6 +134,10 @@ WHERE n.nspname = 'public' AND p.proname = %s
 # The schema's functions that the workers do not have yet: those made before the extension
 # came (Citus copies a function made later to every node itself). The shards' triggers and
 # the delegated judge call them on the workers.
+# The schema's functions in the order they were made, but the database's secret for
+# instance ids first: a worker checks a function's body when it is created there, and
+# steprecord_instance_id (made by an earlier revision) calls it. (PostgreSQL records no
+# dependency of one SQL function's body on another, so Citus cannot order them itself.)
 LOCAL_FUNCTIONS = """
 SELECT p.oid::regprocedure::text FROM pg_proc p
 JOIN pg_namespace n ON n.oid = p.pronamespace
@@ -142,7 +146,7 @@ WHERE n.nspname = 'public'
                   WHERE d.classid = 'pg_proc'::regclass AND d.objid = p.oid AND d.deptype = 'e')
   AND NOT EXISTS (SELECT 1 FROM pg_dist_object o
                   WHERE o.classid = 'pg_proc'::regclass AND o.objid = p.oid)
-ORDER BY p.oid
+ORDER BY p.proname <> 'steprecord_instance_id_key', p.oid
 """
 
 
