@@ -20,21 +20,16 @@ from playwright.sync_api import Browser
 
 from app.cli import migrate
 from app.embedded import EmbeddedPostgres
-from tests.helpers import (
-    BEHIND_PGBOUNCER,
-    CitusCluster,
-    Stream,
-    chromium_browser,
-    citus_bin_path,
-    citus_cluster,
+from tests.support.browser import chromium_browser
+from tests.support.citus import CitusCluster, citus_bin_path, citus_cluster
+from tests.support.databases import (
     create_database,
     drop_database,
     migrated_database,
-    pgbouncer,
     server_directory,
-    start_server,
-    stop,
 )
+from tests.support.servers import BEHIND_PGBOUNCER, pgbouncer, start_server, stop
+from tests.support.streams import Stream
 
 
 @pytest.fixture(scope="session")

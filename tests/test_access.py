@@ -15,19 +15,19 @@ from alembic import command
 from app.access import new_token
 from app.cli import migrate
 from app.main import alembic_config
-from tests.helpers import (
-    ROOT,
-    access_loaded,
-    eventually,
+from tests.support import ROOT
+from tests.support.citus import has_citus
+from tests.support.databases import migrated_database
+from tests.support.servers import (
     free_port,
-    has_citus,
     logged_server,
-    migrated_database,
     start_server,
     steprecord,
     stop,
     wait_ready,
 )
+from tests.support.tokens import access_loaded
+from tests.support.waits import eventually
 
 REFRESH = {"STEPRECORD_TOKEN_REFRESH_SECONDS": "0.5"}
 START = "/v1/instances/run-1/steps/a/start"

@@ -10,14 +10,9 @@ from psycopg.rows import dict_row
 from app.cli import migrate
 from app.data.judge import APPLY_EVENT
 from app.data.repairs import REOPEN
-from tests.helpers import (
-    CitusCluster,
-    add_citus_nodes,
-    create_database,
-    drop_database,
-    rows_on_worker,
-    steprecord,
-)
+from tests.support.citus import CitusCluster, add_citus_nodes, rows_on_worker
+from tests.support.databases import create_database, drop_database
+from tests.support.servers import steprecord
 
 
 def test_a_database_made_on_the_cluster_spreads_a_distributed_table_over_both_workers(

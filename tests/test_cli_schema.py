@@ -13,7 +13,7 @@ from alembic.script import ScriptDirectory
 import app.main
 from app.cli import main, migrate
 from app.main import alembic_config, schema_head
-from tests.helpers import steprecord
+from tests.support.servers import steprecord
 
 # Every command but `migrate`, `serve` and `openapi`, each with what it would write.
 COMMANDS = [

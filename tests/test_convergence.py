@@ -26,7 +26,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.data.judge import APPLY_EVENT
-from tests.helpers import attempts, lock_waits, post, problem, wait_for
+from tests.support.databases import lock_waits
+from tests.support.http import attempts, post, problem
+from tests.support.waits import wait_for
 
 Event = tuple[str, dict[str, Any]]
 BASE = datetime(2026, 12, 2, 10, 0, tzinfo=UTC)

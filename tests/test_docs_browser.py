@@ -13,7 +13,8 @@ from playwright.sync_api import Browser, Page, Route
 
 from app.access import new_token
 from app.cli import migrate
-from tests.helpers import create_database, drop_database, start_server, stop
+from tests.support.databases import create_database, drop_database
+from tests.support.servers import start_server, stop
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import psycopg
 
-from tests.helpers import T0, T1, T2, T3, T4, attempts, history, post, problem, record
+from tests.support.http import T0, T1, T2, T3, T4, attempts, history, post, problem, record
 
 
 def count_rows(database_url: str) -> int:

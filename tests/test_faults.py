@@ -24,18 +24,12 @@ import pytest
 
 from app.access import new_token
 from app.db import Pool
-from tests.helpers import (
-    BEHIND_PGBOUNCER,
-    ROOT,
-    citus_workers,
-    eventually,
-    free_port,
-    lock_waits,
-    pgbouncer,
-    problem,
-    start_server,
-    stop,
-)
+from tests.support import ROOT
+from tests.support.citus import citus_workers
+from tests.support.databases import lock_waits
+from tests.support.http import problem
+from tests.support.servers import BEHIND_PGBOUNCER, free_port, pgbouncer, start_server, stop
+from tests.support.waits import eventually
 
 STATEMENT_TIMEOUT = 1.0
 BOUNDED = {"STEPRECORD_STATEMENT_TIMEOUT": str(STATEMENT_TIMEOUT)}

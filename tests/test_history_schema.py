@@ -13,7 +13,8 @@ import pytest
 from app.data import leases, reads
 from app.data.common import constraint_name
 from app.models import STATUSES
-from tests.helpers import has_citus, node_of, one_shard, task_plans
+from tests.support.citus import has_citus, node_of
+from tests.support.plans import one_shard, task_plans
 from tests.test_schema import BASE, T1, T2, Conn, insert, refused
 
 T3 = "2026-12-02T10:00:03Z"

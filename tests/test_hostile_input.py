@@ -18,7 +18,7 @@ import pytest
 from app.main import create_app
 from app.routes.common import MAX_BATCH_DEPTH
 from app.serialize import MAX_DEPTH
-from tests.helpers import T1, T2, post, problem, record
+from tests.support.http import T1, T2, post, problem, record
 
 DOCUMENT: dict[str, Any] = create_app().openapi()
 Operation = tuple[str, str, dict[str, Any]]

@@ -10,7 +10,7 @@ import pytest
 
 from app.data import reads
 from app.data.common import constraint_name
-from tests.helpers import T0, T1, T2, T3, post, problem
+from tests.support.http import T0, T1, T2, T3, post, problem
 
 
 def send(

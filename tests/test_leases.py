@@ -15,21 +15,11 @@ import psycopg
 import pytest
 
 from app.data import leases
-from tests.helpers import (
-    T1,
-    T2,
-    attempts,
-    counter,
-    eventually,
-    history,
-    migrated_database,
-    post,
-    problem,
-    record,
-    start_server,
-    stop,
-    wait_for,
-)
+from tests.support.databases import migrated_database
+from tests.support.http import T1, T2, attempts, history, post, problem, record
+from tests.support.metrics import counter
+from tests.support.servers import start_server, stop
+from tests.support.waits import eventually, wait_for
 
 
 def parse(value: str) -> datetime:

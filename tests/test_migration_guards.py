@@ -13,7 +13,7 @@ from alembic.config import Config
 
 from app.main import alembic_config
 from migrations.guard import MigrationRefused
-from tests.helpers import has_citus
+from tests.support.citus import has_citus
 
 # Why a test of a revision before 0020 is skipped on Citus.
 BEFORE_0020 = (

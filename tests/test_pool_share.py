@@ -9,7 +9,11 @@ from typing import Any
 import httpx
 import psycopg
 
-from tests.helpers import eventually, lock_waits, node_of, problem, start_server, steprecord, stop
+from tests.support.citus import node_of
+from tests.support.databases import lock_waits
+from tests.support.http import problem
+from tests.support.servers import start_server, steprecord, stop
+from tests.support.waits import eventually
 from tests.test_faults import FreezableProxy, upstream
 
 # A pool of 4, so the default share is 2; statements may wait on a lock for long.

@@ -14,7 +14,7 @@ from app.data import reads
 from app.domain import Order
 from app.serialize import dumps, page_json, record_json, timestamp
 from tests.bench import queries
-from tests.helpers import T1, T2, T3, post, problem, record
+from tests.support.http import T1, T2, T3, post, problem, record
 
 STEPS = "/v1/instances/order-1/steps"
 

@@ -15,7 +15,8 @@ from app.data.common import constraint_name
 from app.db import sync_engine
 from app.main import alembic_config
 from app.models import metadata
-from tests.helpers import has_citus, node_of, task_plans
+from tests.support.citus import has_citus, node_of
+from tests.support.plans import task_plans
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 T1, T2 = "2026-12-02T10:00:01Z", "2026-12-02T10:00:02Z"

@@ -19,19 +19,18 @@ from app.cli import migrate
 from app.data.revision import MIGRATION_LOCK
 from app.embedded import EmbeddedPostgres
 from app.main import create_app, schema_head
-from tests.helpers import (
+from tests.support import ROOT
+from tests.support.databases import migrated_database
+from tests.support.metrics import counter, metrics
+from tests.support.servers import (
     BEHIND_PGBOUNCER,
-    ROOT,
-    counter,
-    eventually,
     free_port,
-    metrics,
-    migrated_database,
     pgbouncer,
     start_server,
     stop,
     wait_ready,
 )
+from tests.support.waits import eventually
 
 
 def serve_embedded(data_dir: Path, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:

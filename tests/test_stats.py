@@ -9,7 +9,8 @@ import pytest
 
 from app.cursors import long_running_cursor
 from app.data import stats as stats_data
-from tests.helpers import T0, metric, metrics, post, problem
+from tests.support.http import T0, post, problem
+from tests.support.metrics import metric, metrics
 
 STATS = "/v1/stats/steps"
 WINDOW = {"since": "2026-12-02T00:00:00Z", "until": "2026-12-03T00:00:00Z"}

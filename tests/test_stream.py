@@ -26,23 +26,13 @@ from app.limits import MAX_OUTPUT_BYTES
 from app.live import LISTENER_NAME
 from app.main import create_app
 from app.replica import ReadPool
-from tests.helpers import (
-    T1,
-    T2,
-    T3,
-    WAIT,
-    Stream,
-    asgi_scope,
-    eventually,
-    metric,
-    migrated_database,
-    node_of,
-    post,
-    problem,
-    start_server,
-    step_path,
-    stop,
-)
+from tests.support.citus import node_of
+from tests.support.databases import migrated_database
+from tests.support.http import T1, T2, T3, asgi_scope, post, problem, step_path
+from tests.support.metrics import metric
+from tests.support.servers import start_server, stop
+from tests.support.streams import WAIT, Stream
+from tests.support.waits import eventually
 
 
 def as_read(client: httpx.Client, instance: str, step: str) -> str:

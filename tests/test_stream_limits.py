@@ -8,18 +8,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.helpers import (
-    WAIT,
-    Event,
-    Stream,
-    counter,
-    eventually,
-    migrated_database,
-    problem,
-    start_server,
-    steprecord,
-    stop,
-)
+from tests.support.databases import migrated_database
+from tests.support.http import problem
+from tests.support.metrics import counter
+from tests.support.servers import start_server, steprecord, stop
+from tests.support.streams import WAIT, Event, Stream
+from tests.support.waits import eventually
 
 PER_TOKEN = 3
 

@@ -8,7 +8,8 @@ import psycopg
 
 from app.cli import migrate
 from app.embedded import EmbeddedPostgres
-from tests.helpers import counter, start_server, stop
+from tests.support.metrics import counter
+from tests.support.servers import start_server, stop
 
 FAST = {"STEPRECORD_SWEEP_SECONDS": "0.05"}
 STEPS = 300

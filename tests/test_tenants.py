@@ -15,13 +15,10 @@ import pytest
 
 from app.data import reads
 from app.models import STATUSES
-from tests.helpers import (
-    access_loaded,
-    eventually,
-    logged_server,
-    migrated_database,
-    steprecord,
-)
+from tests.support.databases import migrated_database
+from tests.support.servers import logged_server, steprecord
+from tests.support.tokens import access_loaded
+from tests.support.waits import eventually
 
 WORKERS = 2
 TRIES = 4  # requests per check: both workers answer some of them

@@ -25,20 +25,11 @@ from app.access import new_token
 from app.cli import migrate
 from app.data import dashboard, reads
 from app.shown import shown
-from tests.helpers import (
-    T0,
-    T1,
-    T2,
-    T3,
-    T4,
-    create_database,
-    drop_database,
-    one_shard,
-    post,
-    screenshot,
-    start_server,
-    stop,
-)
+from tests.support.browser import screenshot
+from tests.support.databases import create_database, drop_database
+from tests.support.http import T0, T1, T2, T3, T4, post
+from tests.support.plans import one_shard
+from tests.support.servers import start_server, stop
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 SCRIPT = "<script>window.pwned = 1</script>"

@@ -11,7 +11,8 @@ import psycopg
 import pytest
 
 from app.data import dashboard
-from tests.helpers import one_shard, post
+from tests.support.http import post
+from tests.support.plans import one_shard
 
 
 def ago(**delta: float) -> str:

@@ -15,7 +15,8 @@ import pytest
 from playwright.sync_api import Browser, Page, expect
 
 from app import ui
-from tests.helpers import post, screenshot
+from tests.support.browser import screenshot
+from tests.support.http import post
 
 ROOT_ID = "00000000-aaaa-4bbb-8ccc-000000000000"
 FETCH = "shop.tasks.fetch_order:00000000-1111-4222-8333-444444444444"

@@ -6,7 +6,8 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
-from tests.helpers import post, screenshot, step_path
+from tests.support.browser import screenshot
+from tests.support.http import post, step_path
 
 REASON = "refund confirmed by the processor <b>by hand</b>; run the charge again"
 

@@ -15,7 +15,10 @@ from playwright.sync_api import Browser, Page, expect
 
 from app.access import new_token
 from app.cli import migrate
-from tests.helpers import create_database, drop_database, post, screenshot, start_server, stop
+from tests.support.browser import screenshot
+from tests.support.databases import create_database, drop_database
+from tests.support.http import post
+from tests.support.servers import start_server, stop
 
 TASK = "shop.tasks.charge"
 

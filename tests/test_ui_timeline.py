@@ -13,7 +13,9 @@ import pytest
 from playwright.sync_api import Browser, Page, expect
 
 from app import timeline
-from tests.helpers import post, screenshot, wait_for
+from tests.support.browser import screenshot
+from tests.support.http import post
+from tests.support.waits import wait_for
 
 RUN = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
 TASK_ID = "5f0c7d6e-2b1a-4c3d-9e8f-0a1b2c3d4e5f"

@@ -15,20 +15,13 @@ import psycopg
 import pytest
 
 from app.data.common import constraint_name
-from tests.helpers import (
-    Stream,
-    access_loaded,
-    attempts,
-    eventually,
-    has_citus,
-    logged_server,
-    migrated_database,
-    post,
-    record,
-    step_path,
-    steprecord,
-    wait_for,
-)
+from tests.support.citus import has_citus
+from tests.support.databases import migrated_database
+from tests.support.http import attempts, post, record, step_path
+from tests.support.servers import logged_server, steprecord
+from tests.support.streams import Stream
+from tests.support.tokens import access_loaded
+from tests.support.waits import eventually, wait_for
 from tests.test_schema import BASE, T1, T2, Conn, insert
 
 GUARD = "tr_workflow_step_record_transition"

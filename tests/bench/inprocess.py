@@ -29,7 +29,7 @@ from app.config import Settings
 from app.main import create_app
 from tests.bench import run
 from tests.bench.decode import COMPLETE, START
-from tests.helpers import asgi_scope
+from tests.support.http import asgi_scope
 
 WARM_UP = 200
 

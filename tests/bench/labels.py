@@ -44,7 +44,7 @@ from app.cli import migrate  # noqa: E402
 from app.data.judge import APPLY_EVENT, APPLY_EVENTS  # noqa: E402
 from app.data.reads import PAGE_SUMMARIES, list_instances_query  # noqa: E402
 from app.embedded import EmbeddedPostgres  # noqa: E402
-from tests.helpers import create_database, drop_database  # noqa: E402
+from tests.support.databases import create_database, drop_database  # noqa: E402
 
 
 @contextmanager

@@ -42,7 +42,7 @@ import httpx  # noqa: E402
 import psycopg  # noqa: E402
 
 from tests.bench.ui import database  # noqa: E402
-from tests.helpers import start_server, steprecord, stop  # noqa: E402
+from tests.support.servers import start_server, steprecord, stop  # noqa: E402
 
 FLOOD = 40
 BATCH = 200

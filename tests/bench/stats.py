@@ -36,7 +36,7 @@ import psycopg  # noqa: E402
 from app.cli import migrate  # noqa: E402
 from app.data.stats import step_stats_query  # noqa: E402
 from app.embedded import EmbeddedPostgres  # noqa: E402
-from tests.helpers import create_database, drop_database  # noqa: E402
+from tests.support.databases import create_database, drop_database  # noqa: E402
 
 WINDOWS = {
     "1 h": timedelta(hours=1),

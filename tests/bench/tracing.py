@@ -44,7 +44,8 @@ from pathlib import Path
 import psycopg
 
 from tests.bench import run
-from tests.helpers import OtlpReceiver, create_database, drop_database, otlp_receiver
+from tests.support.databases import create_database, drop_database
+from tests.support.tracing import OtlpReceiver, otlp_receiver
 
 CONNECTIONS = 16
 VARIANTS = ("base", "off", "export")

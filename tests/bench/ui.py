@@ -38,13 +38,9 @@ import httpx  # noqa: E402
 
 from app.cli import migrate  # noqa: E402
 from app.embedded import EmbeddedPostgres  # noqa: E402
-from tests.helpers import (  # noqa: E402
-    chromium_browser,
-    create_database,
-    drop_database,
-    start_server,
-    stop,
-)
+from tests.support.browser import chromium_browser  # noqa: E402
+from tests.support.databases import create_database, drop_database  # noqa: E402
+from tests.support.servers import start_server, stop  # noqa: E402
 
 STEPS = 1000
 KEY = "bench-1000"
