@@ -28,6 +28,7 @@ from tests.support.databases import (
     migrated_database,
     server_directory,
 )
+from tests.support.rows import Conn
 from tests.support.servers import BEHIND_PGBOUNCER, pgbouncer, start_server, stop
 from tests.support.streams import Stream
 
@@ -223,3 +224,13 @@ def open_stream(server_url: str) -> Iterator[Callable[..., Stream]]:
     yield open_
     for stream in opened:
         stream.close()
+
+
+@pytest.fixture
+def instance_id(db: Conn) -> int:
+    row = db.execute(
+        "INSERT INTO process_instance (id, instance_key)"
+        " VALUES (steprecord_instance_id('run-1'), 'run-1') RETURNING id"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])

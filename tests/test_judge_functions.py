@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from app.data.judge import PARAMS
-from tests.test_schema import on_citus
+from tests.support.citus import on_citus
 
 Conn = psycopg.Connection[tuple[object, ...]]
 

@@ -9,7 +9,7 @@ import pytest
 
 from app.cursors import long_running_cursor
 from app.data import stats as stats_data
-from tests.support.http import T0, post, problem
+from tests.support.http import T0, ago, post, problem
 from tests.support.metrics import metric, metrics
 
 STATS = "/v1/stats/steps"
@@ -168,10 +168,6 @@ def test_a_window_near_the_earliest_time_starts_there(client: httpx.Client) -> N
 
 
 # --- long-running steps ----------------------------------------------------------------
-
-
-def ago(**delta: float) -> str:
-    return (datetime.now(UTC) - timedelta(**delta)).isoformat()
 
 
 def test_running_longer_than_lists_the_longest_running_first(client: httpx.Client) -> None:

@@ -11,8 +11,8 @@ import pytest
 from tests.support.databases import migrated_database
 from tests.support.metrics import counter
 from tests.support.servers import start_server, steprecord, stop
+from tests.support.tokens import REFRESH, bearer, create_token
 from tests.support.waits import eventually
-from tests.test_access import REFRESH, bearer, create_token
 
 
 @pytest.fixture

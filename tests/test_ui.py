@@ -21,27 +21,20 @@ from playwright.sync_api import Browser, Page, expect
 from steprecord_client import fit_message
 
 from app import sessions
-from app.access import new_token
 from app.cli import migrate
 from app.data import dashboard, reads
 from app.shown import shown
 from tests.support.browser import screenshot
 from tests.support.databases import create_database, drop_database
-from tests.support.http import T0, T1, T2, T3, T4, post
-from tests.support.plans import one_shard
+from tests.support.http import T0, T1, T2, T3, T4, html, post
+from tests.support.plans import one_shard, plan
 from tests.support.servers import start_server, stop
+from tests.support.tokens import insert_token
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 SCRIPT = "<script>window.pwned = 1</script>"
 IMAGE = "<img src=x onerror=window.pwned=1>"
 SCRIPT_URL = "javascript://example.com/%0Awindow.pwned=1"
-
-
-def html(client: httpx.Client, path: str, status: int = 200) -> str:
-    response = client.get(path)
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("text/html")
-    return response.text
 
 
 def order_with_history(client: httpx.Client, instance: str = "order-1") -> None:
@@ -397,16 +390,6 @@ def test_without_tokens_the_dashboard_is_open_only_where_the_api_is(
 # --- access with tokens ----------------------------------------------------------------
 
 
-def insert_token(database_url: str, name: str, scope: str) -> str:
-    token, digest = new_token()
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(
-            "INSERT INTO api_token (name, scope, token_sha256) VALUES (%s, %s, %s)",
-            (name, scope, digest),
-        )
-    return token
-
-
 @pytest.fixture(scope="module")
 def guarded(server_dsn: str) -> Iterator[tuple[str, str, str]]:
     """A server of this module's own with a read and a write token: (url, read, write)."""
@@ -689,10 +672,6 @@ def many_instances(db: psycopg.Connection[tuple[object, ...]]) -> Any:
     db.execute("ANALYZE workflow_step_record")
     db.execute("ANALYZE workflow_step_attempt")
     return db
-
-
-def plan(db: Any, sql: str, params: dict[str, Any]) -> str:
-    return "\n".join(str(r[0]) for r in db.execute("EXPLAIN " + sql, params).fetchall())
 
 
 LIST = {"before_created_at": "infinity", "before_id": 0, "limit": 51}

@@ -14,7 +14,7 @@ from playwright.sync_api import Browser, Page, expect
 
 from app import timeline
 from tests.support.browser import screenshot
-from tests.support.http import post
+from tests.support.http import html, post
 from tests.support.waits import wait_for
 
 RUN = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
@@ -53,12 +53,6 @@ def three_day_run(client: httpx.Client, instance: str = "slow-1") -> None:
     assert post(client, "start", again, instance, "ship").is_success
     done = {"attempt": 2, "completed_at": at(days=3)}
     assert post(client, "complete", done, instance, "ship").is_success
-
-
-def html(client: httpx.Client, path: str) -> str:
-    response = client.get(path)
-    assert response.status_code == 200, response.text
-    return response.text
 
 
 def tick_labels(page: str) -> list[str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import psycopg
 
 from app.embedded import EmbeddedPostgres
+from tests.support.rows import Conn
 from tests.support.servers import free_port
 
 
@@ -161,3 +162,13 @@ def citus_cluster(
         for node in nodes:
             with contextlib.suppress(RuntimeError):  # a test may have stopped it already
                 node.stop()
+
+
+def on_citus(db: Conn) -> bool:
+    """The connection's database has the citus extension (see `has_citus` for a URL)."""
+    return db.execute("SELECT 1 FROM pg_extension WHERE extname = 'citus'").fetchone() is not None
+
+
+def on_node(node_url: str, database: str) -> str:
+    """`database` on the node that `node_url` reaches."""
+    return psycopg.conninfo.make_conninfo(node_url, dbname=database)

@@ -136,3 +136,10 @@ def lock_waits(watcher: psycopg.Connection[Any]) -> int:
     ).fetchone()
     assert row is not None
     return int(row[0])
+
+
+def revision_of(url: str) -> str:
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT version_num FROM alembic_version").fetchone()
+    assert row is not None
+    return str(row[0])

@@ -1,5 +1,6 @@
 """Requests to the service under test and the answers they check: steps, records, problems."""
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -90,3 +91,14 @@ def attempts(client: httpx.Client, instance: str = "order-1", step: str = "charg
 def history(client: httpx.Client, instance: str = "order-1", step: str = "charge") -> Any:
     """The history in short: `(attempt, status)` of each attempt."""
     return [(a["attempt"], a["status"]) for a in attempts(client, instance, step)]
+
+
+def ago(**delta: float) -> str:
+    return (datetime.now(UTC) - timedelta(**delta)).isoformat()
+
+
+def html(client: httpx.Client, path: str, status: int = 200) -> str:
+    response = client.get(path)
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("text/html")
+    return response.text

@@ -5,6 +5,8 @@ from typing import Any
 
 import psycopg
 
+from tests.support.rows import Conn
+
 
 @dataclass(frozen=True)
 class OneShard:
@@ -61,3 +63,9 @@ def task_plans(text: str) -> str:
     ]
     assert kept, text
     return "\n".join(kept)
+
+
+def plan(db: Conn, sql: str, params: dict[str, Any]) -> str:
+    """The text of `EXPLAIN sql`."""
+    rows = db.execute("EXPLAIN " + sql, params).fetchall()
+    return "\n".join(str(r[0]) for r in rows)
