@@ -30,6 +30,7 @@ from tests.support.http import T0, T1, T2, T3, T4, html, post
 from tests.support.plans import one_shard, plan
 from tests.support.servers import start_server, stop
 from tests.support.tokens import insert_token
+from tests.support.waits import eventually
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 SCRIPT = "<script>window.pwned = 1</script>"
@@ -326,13 +327,14 @@ def test_failing_now_and_stuck_list_steps_across_instances(client: httpx.Client)
     assert "a-2" not in failing
     # The lease expires after a second; the sweeper (every 0.2 s here) may then fail the step,
     # so it is either listed as stuck or, swept, as failing with lease_expired.
-    deadline = time.monotonic() + 10
-    while True:
-        stuck, failing = html(client, "/ui/stuck"), html(client, "/ui/failing")
-        if "a-2" in stuck or "lease_expired" in failing:
-            break
-        assert time.monotonic() < deadline, "the expired lease never showed"
-        time.sleep(0.1)
+    eventually(
+        lambda: (
+            "a-2" in html(client, "/ui/stuck") or "lease_expired" in html(client, "/ui/failing")
+        ),
+        seconds=10,
+        interval=0.1,
+        what="the expired lease to show",
+    )
 
 
 TRACEBACK = (
