@@ -1,4 +1,5 @@
-"""`POST /v1/events` (README, "Batch"): each event judged as its own endpoint would judge it."""
+"""`POST /v1/events` (docs/api.md, "Batch"): each event judged as its own endpoint would
+judge it."""
 
 import uuid
 from typing import Any

@@ -90,7 +90,7 @@ def singles(client: httpx.Client, load: Load, keys: list[str]) -> None:
 
 def batches(client: httpx.Client, load: Load, keys: list[str]) -> None:
     """Batches of starts and completes over many instances; a batch with a 503 in it is
-    sent again whole, as the README says (what had committed replays)."""
+    sent again whole, as docs/api.md says (what had committed replays)."""
     n = 0
     while not load.stop.is_set():
         step = f"b{n}"

@@ -1,4 +1,4 @@
-"""The convergence guarantee (README, "Events"), as a property, for the record and its history.
+"""The convergence guarantee (docs/api.md, "Events"), as a property, for the record and its history.
 
 For any set of events of one step in which every event carries `attempt` and its timestamps,
 with at most one terminal content per attempt and identical duplicates, every arrival order

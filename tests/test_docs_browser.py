@@ -1,7 +1,8 @@
 """The API docs render in a real browser that can reach nothing but the service.
 
 The service has an active token, so the pages also prove that the docs and their assets
-need none (README, "Security"). The browser is Debian's chromium, never a downloaded one.
+need none (docs/operations.md, "Security"). The browser is Debian's chromium, never a
+downloaded one.
 """
 
 import uuid

@@ -1,7 +1,7 @@
 """The merge rules, through the real HTTP stack; each test also says what the history must be.
 
 The history (`GET .../attempts`) keeps one row per attempt that started; a replay or a refusal
-writes none (README, "Attempt history").
+writes none (docs/api.md, "Attempt history").
 """
 
 from datetime import UTC, datetime, timedelta

@@ -421,7 +421,7 @@ def test_batch_cut_by_an_outage_midway_ends_as_a_clean_run_when_sent_again(
     own_database: str, watcher: Watcher
 ) -> None:
     """Earlier statements of a batch stay committed when a later one meets an outage; sending
-    the whole batch again replays them and applies the rest (see the README, Batch)."""
+    the whole batch again replays them and applies the rest (see docs/api.md, Batch)."""
     name = "steprecord-batch-" + uuid.uuid4().hex[:8]
     cut, clean = "cut-" + uuid.uuid4().hex[:8], "clean-" + uuid.uuid4().hex[:8]
     env = {"STEPRECORD_STATEMENT_TIMEOUT": "30"}

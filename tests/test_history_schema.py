@@ -1,7 +1,7 @@
 """What the database refuses and keeps for the history (raw SQL): `workflow_step_attempt`.
 
 The history is written only by the record's triggers, so every write to the record — even a
-hand-written `UPDATE` — keeps it true (README, "Attempt history").
+hand-written `UPDATE` — keeps it true (docs/api.md, "Attempt history").
 """
 
 from collections.abc import Iterator

@@ -1,4 +1,4 @@
-"""No input reaches a 5xx, and every error is problem+json with a `code` (README, "Errors").
+"""No input reaches a 5xx, and every error is problem+json with a `code` (docs/api.md, "Errors").
 
 The routes come from the app's own OpenAPI document, so a route added later is walked too:
 hostile whole bodies, a hostile value at every field of each body, hostile path segments and

@@ -1,8 +1,8 @@
 """The judge's two database functions, called with raw SQL as `psql` or another client would.
 
 `steprecord_apply_event` (one event, scalar arguments) must answer exactly as a one-element call
-of `steprecord_apply_events` (README, "Events"): the single endpoints use the first, batches the
-second.
+of `steprecord_apply_events` (docs/api.md, "Events"): the single endpoints use the first,
+batches the second.
 """
 
 from collections.abc import Iterator

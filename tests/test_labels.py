@@ -1,5 +1,6 @@
-"""Instance labels (README, "Labels"): set by events, batches and PATCH, refused beyond their
-limits by the service and by the database, filtered on the lists; and an instance's summary."""
+"""Instance labels (docs/operations.md, "Labels and an instance's summary"): set by events,
+batches and PATCH, refused beyond their limits by the service and by the database, filtered on
+the lists; and an instance's summary."""
 
 from datetime import UTC, datetime
 from typing import Any

@@ -1,7 +1,7 @@
 """Leases, heartbeats, the sweeper and the reads across instances, through the HTTP stack.
 
 The shared server sweeps every 0.2 s, so an expired lease is closed about a second after a
-1-second lease ends (README, "Leases and the sweeper").
+1-second lease ends (docs/api.md, "Leases and the sweeper").
 """
 
 import time

@@ -1,5 +1,5 @@
 """A page stops before its body passes 16 MiB, with the cursor after its last item: paging on
-reads every item exactly once, in order (see the README, Reads)."""
+reads every item exactly once, in order (see docs/api.md, Reads)."""
 
 from typing import Any
 

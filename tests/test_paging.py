@@ -1,4 +1,4 @@
-"""Paging by `started_at` while steps restart between page reads (see the README, Reads)."""
+"""Paging by `started_at` while steps restart between page reads (see docs/api.md, Reads)."""
 
 from collections import Counter
 from datetime import UTC, datetime, timedelta

@@ -1,4 +1,5 @@
-"""The reads (README, "Reads"): lists in both orders, cursors, filters, summaries, instances."""
+"""The reads (docs/api.md, "Reads"): lists in both orders, cursors, filters, summaries,
+instances."""
 
 import base64
 import zoneinfo

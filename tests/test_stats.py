@@ -1,4 +1,5 @@
-"""Step statistics, long-running steps and far-future timestamps (README, "Step statistics")."""
+"""Step statistics, long-running steps and far-future timestamps (docs/operations.md,
+"Long-running steps and step statistics")."""
 
 from datetime import UTC, datetime, timedelta
 from typing import Any

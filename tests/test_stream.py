@@ -1,4 +1,4 @@
-"""Live updates (README, "Live updates"): the stream of an instance's records over real
+"""Live updates (docs/api.md, "Live updates"): the stream of an instance's records over real
 servers, resumption by event id, several workers and service instances, and the database's
 part (the notification on commit, the transaction id of each write)."""
 
@@ -57,7 +57,7 @@ def test_a_stream_sends_every_record_then_each_applied_write(
         assert event.data == as_read(client, "order-1", event.record["step_slug"])
 
     # Each write waits for its event: a record written twice before the stream reads it is
-    # sent once, in its latest state (README, "Live updates").
+    # sent once, in its latest state (docs/api.md, "Live updates").
     live = []
     for kind, body, step in [
         ("complete", {"attempt": 1, "output": {"rows": 3}}, "fetch"),
