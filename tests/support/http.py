@@ -94,10 +94,12 @@ def history(client: httpx.Client, instance: str = "order-1", step: str = "charge
 
 
 def ago(**delta: float) -> str:
+    """The moment `timedelta(**delta)` before now, as an RFC 3339 timestamp."""
     return (datetime.now(UTC) - timedelta(**delta)).isoformat()
 
 
 def html(client: httpx.Client, path: str, status: int = 200) -> str:
+    """A dashboard page's HTML, checked to answer `status` as text/html."""
     response = client.get(path)
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("text/html")

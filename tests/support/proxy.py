@@ -101,5 +101,6 @@ class FreezableProxy:
 
 
 def upstream(database_url: str) -> tuple[str, int]:
+    """The host (or socket directory) and port of the PostgreSQL that `database_url` reaches."""
     info = psycopg.conninfo.conninfo_to_dict(database_url)
     return str(info.get("host", "127.0.0.1")), int(str(info.get("port", 5432)))
