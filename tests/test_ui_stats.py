@@ -10,7 +10,7 @@ from html import unescape
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page, expect
+from playwright.sync_api import Page, expect
 
 from app.cli import migrate
 from tests.support.browser import screenshot
@@ -156,15 +156,6 @@ def test_a_tenant_sees_the_statistics_and_failures_of_its_prefix_only(
 
 
 # --- in a real browser -----------------------------------------------------------------
-
-
-@pytest.fixture
-def page(browser: Browser, server_url: str) -> Iterator[Page]:
-    context = browser.new_context(base_url=server_url, viewport={"width": 1100, "height": 700})
-    try:
-        yield context.new_page()
-    finally:
-        context.close()
 
 
 def test_the_statistics_page_and_failing_now_in_the_browser(

@@ -5,12 +5,11 @@ drawn by the same server code as the rest."""
 
 import itertools
 import re
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page, expect
+from playwright.sync_api import Page, expect
 
 from app import timeline
 from tests.support.browser import screenshot
@@ -146,15 +145,6 @@ def test_ticks_are_chosen_for_the_span(span: timedelta, first_ticks: list[str]) 
 
 
 # --- in a real browser -----------------------------------------------------------------
-
-
-@pytest.fixture
-def page(browser: Browser, server_url: str) -> Iterator[Page]:
-    context = browser.new_context(base_url=server_url, viewport={"width": 1100, "height": 700})
-    try:
-        yield context.new_page()
-    finally:
-        context.close()
 
 
 def test_a_1_ms_step_in_a_3_day_run_is_drawn_at_least_3_pixels_wide(
