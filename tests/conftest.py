@@ -16,25 +16,21 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from playwright.sync_api import Browser
+from playwright.sync_api import Browser, Page
 
 from app.cli import migrate
 from app.embedded import EmbeddedPostgres
-from tests.helpers import (
-    BEHIND_PGBOUNCER,
-    CitusCluster,
-    Stream,
-    chromium_browser,
-    citus_bin_path,
-    citus_cluster,
+from tests.support.browser import chromium_browser
+from tests.support.citus import CitusCluster, citus_bin_path, citus_cluster
+from tests.support.databases import (
     create_database,
     drop_database,
     migrated_database,
-    pgbouncer,
     server_directory,
-    start_server,
-    stop,
 )
+from tests.support.rows import Conn
+from tests.support.servers import BEHIND_PGBOUNCER, pgbouncer, start_server, stop
+from tests.support.streams import Stream
 
 
 @pytest.fixture(scope="session")
@@ -228,3 +224,24 @@ def open_stream(server_url: str) -> Iterator[Callable[..., Stream]]:
     yield open_
     for stream in opened:
         stream.close()
+
+
+@pytest.fixture
+def instance_id(db: Conn) -> int:
+    """The id of instance `run-1`, inserted in the test's transaction (raw SQL tests)."""
+    row = db.execute(
+        "INSERT INTO process_instance (id, instance_key)"
+        " VALUES (steprecord_instance_id('run-1'), 'run-1') RETURNING id"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.fixture
+def page(browser: Browser, server_url: str) -> Iterator[Page]:
+    """A browser page on the shared server, 1100 by 700 pixels; closed after the test."""
+    context = browser.new_context(base_url=server_url, viewport={"width": 1100, "height": 700})
+    try:
+        yield context.new_page()
+    finally:
+        context.close()

@@ -15,30 +15,28 @@ from alembic import command
 from app.access import new_token
 from app.cli import migrate
 from app.main import alembic_config
-from tests.helpers import (
-    ROOT,
-    access_loaded,
-    eventually,
+from tests.support import ROOT
+from tests.support.citus import has_citus
+from tests.support.databases import migrated_database
+from tests.support.servers import (
     free_port,
-    has_citus,
     logged_server,
-    migrated_database,
     start_server,
     steprecord,
     stop,
     wait_ready,
 )
+from tests.support.tokens import (
+    REFRESH,
+    access_loaded,
+    bearer,
+    create_token,
+    insert_token,
+    insert_tokens,
+)
+from tests.support.waits import eventually
 
-REFRESH = {"STEPRECORD_TOKEN_REFRESH_SECONDS": "0.5"}
 START = "/v1/instances/run-1/steps/a/start"
-
-
-def create_token(database_url: str, name: str, scope: str) -> str:
-    done = steprecord(database_url, "token", "create", name, "--scope", scope)
-    assert done.returncode == 0, done.stderr
-    token = done.stdout.strip()
-    assert "\n" not in token
-    return token
 
 
 WORKERS = 2
@@ -72,29 +70,6 @@ def server(shared_server: tuple[str, str]) -> Iterator[tuple[str, str]]:
         conn.execute("UPDATE access_policy SET tokens_required = false")
     reloaded(url, 0, anonymous=True)
     assert all(httpx.get(url + "/v1/instances").status_code == 200 for _ in range(6))
-
-
-def insert_token(database_url: str, name: str, scope: str) -> str:
-    (token,) = insert_tokens(database_url, (name, scope))
-    return token
-
-
-def insert_tokens(database_url: str, *names_and_scopes: tuple[str, str]) -> list[str]:
-    """Insert tokens in one transaction, so no worker ever knows some of them but not all."""
-    tokens = []
-    with psycopg.connect(database_url) as conn:
-        for name, scope in names_and_scopes:
-            token, digest = new_token()
-            conn.execute(
-                "INSERT INTO api_token (name, scope, token_sha256) VALUES (%s, %s, %s)",
-                (name, scope, digest),
-            )
-            tokens.append(token)
-    return tokens
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
 
 
 def test_first_token_ends_anonymous_access(server: tuple[str, str]) -> None:

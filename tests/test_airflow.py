@@ -37,7 +37,8 @@ import httpx
 import pytest
 from steprecord_client import airflow as plugin
 
-from tests.helpers import eventually, free_port, start_server, stop, wait_for
+from tests.support.servers import free_port, start_server, stop
+from tests.support.waits import eventually, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DAGS = Path(__file__).resolve().parent / "airflow_dags"

@@ -1,4 +1,5 @@
-"""`POST /v1/events` (README, "Batch"): each event judged as its own endpoint would judge it."""
+"""`POST /v1/events` (docs/api.md, "Batch"): each event judged as its own endpoint would
+judge it."""
 
 import uuid
 from typing import Any
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import T1, T2, T3, problem
+from tests.support.http import T1, T2, T3, problem
 
 
 def ev(kind: str, step: str = "s", instance: str = "order-1", **fields: Any) -> dict[str, Any]:

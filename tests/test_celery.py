@@ -31,7 +31,9 @@ from steprecord_client.celery import record_celery, step_slug_for
 
 from tests import celery_tasks
 from tests.celery_tasks import app
-from tests.helpers import require_celery_services, start_server, stop, wait_for
+from tests.support.brokers import require_celery_services
+from tests.support.servers import start_server, stop
+from tests.support.waits import wait_for
 
 BROKER = "amqp://guest:guest@127.0.0.1:5672//"
 BACKEND = "redis://127.0.0.1:6379/7"

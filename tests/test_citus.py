@@ -10,14 +10,9 @@ from psycopg.rows import dict_row
 from app.cli import migrate
 from app.data.judge import APPLY_EVENT
 from app.data.repairs import REOPEN
-from tests.helpers import (
-    CitusCluster,
-    add_citus_nodes,
-    create_database,
-    drop_database,
-    rows_on_worker,
-    steprecord,
-)
+from tests.support.citus import CitusCluster, add_citus_nodes, on_node, rows_on_worker
+from tests.support.databases import create_database, drop_database
+from tests.support.servers import steprecord
 
 
 def test_a_database_made_on_the_cluster_spreads_a_distributed_table_over_both_workers(
@@ -56,10 +51,6 @@ def worker_catalog(worker_url: str, query: str) -> set[tuple[Any, ...]]:
     with psycopg.connect(worker_url, autocommit=True) as conn:
         conn.execute("SET citus.override_table_visibility TO off")
         return {tuple(row) for row in conn.execute(query).fetchall()}
-
-
-def on_node(node_url: str, database: str) -> str:
-    return psycopg.conninfo.make_conninfo(node_url, dbname=database)
 
 
 def test_migrate_distributes_the_fact_tables_by_instance_and_the_judge_with_them(

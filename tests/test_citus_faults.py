@@ -8,18 +8,11 @@ import httpx
 import pytest
 
 from app.cli import migrate
-from tests.helpers import (
-    CitusCluster,
-    create_database,
-    drop_database,
-    eventually,
-    one_key_per_worker,
-    post,
-    problem,
-    record,
-    start_server,
-    stop,
-)
+from tests.support.citus import CitusCluster, one_key_per_worker
+from tests.support.databases import create_database, drop_database
+from tests.support.http import post, problem, record
+from tests.support.servers import start_server, stop
+from tests.support.waits import eventually
 
 STEPS = [f"s{n}" for n in range(4)]
 

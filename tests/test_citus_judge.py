@@ -15,23 +15,11 @@ from psycopg.conninfo import make_conninfo
 
 from app.data.common import constraint_name
 from app.data.judge import APPLY_EVENT
-from tests.helpers import (
-    CitusCluster,
-    attempts,
-    create_database,
-    drop_database,
-    eventually,
-    migrated_database,
-    one_key_per_worker,
-    post,
-    problem,
-    record,
-    rows_on_worker,
-    start_server,
-    steprecord,
-    stop,
-    wait_for,
-)
+from tests.support.citus import CitusCluster, on_node, one_key_per_worker, rows_on_worker
+from tests.support.databases import create_database, drop_database, migrated_database
+from tests.support.http import attempts, post, problem, record
+from tests.support.servers import start_server, steprecord, stop
+from tests.support.waits import eventually, wait_for
 
 T1 = "2026-01-01T00:00:01Z"
 T2 = "2026-01-01T00:00:02Z"
@@ -56,10 +44,6 @@ def service(cluster_database: str) -> Iterator[str]:
 def client(service: str) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=service, timeout=30) as c:
         yield c
-
-
-def on_node(node_url: str, database: str) -> str:
-    return psycopg.conninfo.make_conninfo(node_url, dbname=database)
 
 
 def test_a_batch_spanning_both_workers_answers_in_request_order_as_one_node_does(

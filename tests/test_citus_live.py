@@ -12,15 +12,11 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from tests.helpers import (
-    CitusCluster,
-    Stream,
-    eventually,
-    migrated_database,
-    one_key_per_worker,
-    start_server,
-    stop,
-)
+from tests.support.citus import CitusCluster, one_key_per_worker
+from tests.support.databases import migrated_database
+from tests.support.servers import start_server, stop
+from tests.support.streams import Stream
+from tests.support.waits import eventually
 
 NEW_INSTANCE = """
 INSERT INTO process_instance (id, instance_key) VALUES (steprecord_instance_id(%(key)s), %(key)s)

@@ -12,19 +12,11 @@ from alembic import command
 
 from app.cli import migrate
 from app.main import alembic_config, schema_head
-from tests.helpers import (
-    CitusCluster,
-    create_database,
-    drop_database,
-    eventually,
-    one_key_per_worker,
-    post,
-    problem,
-    record,
-    start_server,
-    steprecord,
-    stop,
-)
+from tests.support.citus import CitusCluster, one_key_per_worker
+from tests.support.databases import create_database, drop_database
+from tests.support.http import post, problem, record
+from tests.support.servers import start_server, steprecord, stop
+from tests.support.waits import eventually
 
 # Where distribution writes: the functions (their settings), the database's settings, the
 # tables, their triggers and keys, and Citus's catalogs of what is distributed. A statement

@@ -20,7 +20,8 @@ from app.cli import migrate
 from app.data import dashboard, placement, reads, retention, running, stats
 from app.db import Pool
 from tests.bench.plans import NOW, load
-from tests.helpers import CitusCluster, create_database, drop_database
+from tests.support.citus import CitusCluster
+from tests.support.databases import create_database, drop_database
 
 KEY = "r7"
 RECENT = {"before": "infinity", "before_id": 0, "updated_after": None, "limit": 21}

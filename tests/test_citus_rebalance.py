@@ -18,7 +18,9 @@ import psycopg
 import pytest
 
 from app.cli import migrate
-from tests.helpers import CitusCluster, create_database, drop_database, start_server, stop
+from tests.support.citus import CitusCluster
+from tests.support.databases import create_database, drop_database
+from tests.support.servers import start_server, stop
 
 INSTANCES = 24  # per kind of load, spread over every shard group by their hashes
 RETRY_FOR = 60.0  # seconds a refused event may be retried before the test fails
@@ -88,7 +90,7 @@ def singles(client: httpx.Client, load: Load, keys: list[str]) -> None:
 
 def batches(client: httpx.Client, load: Load, keys: list[str]) -> None:
     """Batches of starts and completes over many instances; a batch with a 503 in it is
-    sent again whole, as the README says (what had committed replays)."""
+    sent again whole, as docs/api.md says (what had committed replays)."""
     n = 0
     while not load.stop.is_set():
         step = f"b{n}"

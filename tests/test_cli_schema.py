@@ -13,7 +13,8 @@ from alembic.script import ScriptDirectory
 import app.main
 from app.cli import main, migrate
 from app.main import alembic_config, schema_head
-from tests.helpers import steprecord
+from tests.support.databases import revision_of
+from tests.support.servers import steprecord
 
 # Every command but `migrate`, `serve` and `openapi`, each with what it would write.
 COMMANDS = [
@@ -37,13 +38,6 @@ def tables(url: str) -> set[str]:
     with psycopg.connect(url) as conn:
         rows = conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
         return {str(row[0]) for row in rows}
-
-
-def revision_of(url: str) -> str:
-    with psycopg.connect(url) as conn:
-        row = conn.execute("SELECT version_num FROM alembic_version").fetchone()
-    assert row is not None
-    return str(row[0])
 
 
 def refused(url: str, args: tuple[str, ...], archive: Path) -> str:

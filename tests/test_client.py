@@ -31,7 +31,7 @@ from steprecord_client import (
     fit_message,
 )
 
-from tests.helpers import eventually
+from tests.support.waits import eventually
 
 
 class _Fast(TypedDict):

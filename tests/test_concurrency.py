@@ -11,7 +11,8 @@ import psycopg
 import pytest
 
 from app.data import judge
-from tests.helpers import T1, T2, has_citus, step_path
+from tests.support.citus import has_citus
+from tests.support.http import T1, T2, step_path
 
 
 async def race(server_url: str, requests: list[tuple[str, Any]]) -> list[httpx.Response]:

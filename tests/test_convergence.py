@@ -1,4 +1,4 @@
-"""The convergence guarantee (README, "Events"), as a property, for the record and its history.
+"""The convergence guarantee (docs/api.md, "Events"), as a property, for the record and its history.
 
 For any set of events of one step in which every event carries `attempt` and its timestamps,
 with at most one terminal content per attempt and identical duplicates, every arrival order
@@ -26,7 +26,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.data.judge import APPLY_EVENT
-from tests.helpers import attempts, lock_waits, post, problem, wait_for
+from tests.support.databases import lock_waits
+from tests.support.http import attempts, post, problem
+from tests.support.waits import wait_for
 
 Event = tuple[str, dict[str, Any]]
 BASE = datetime(2026, 12, 2, 10, 0, tzinfo=UTC)

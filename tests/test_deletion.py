@@ -8,7 +8,9 @@ import psycopg
 import pytest
 from playwright.sync_api import Browser, expect
 
-from tests.helpers import T1, T2, T3, Stream, eventually, post, problem
+from tests.support.http import T1, T2, T3, post, problem
+from tests.support.streams import Stream
+from tests.support.waits import eventually
 
 INSTANCE = "/v1/instances/order-1"
 

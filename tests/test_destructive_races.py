@@ -22,7 +22,12 @@ import httpx
 import psycopg
 import pytest
 
-from tests.helpers import ROOT, T1, T2, age, exists, lock_waits, node_of, post, wait_for
+from tests.support import ROOT
+from tests.support.citus import node_of
+from tests.support.databases import lock_waits
+from tests.support.http import T1, T2, exists, post
+from tests.support.rows import age
+from tests.support.waits import wait_for
 
 # The judge's function for one event (app/sql/apply_event.sql): the fields in its order.
 CREATE_STEP = (

@@ -1,7 +1,8 @@
 """The API docs render in a real browser that can reach nothing but the service.
 
 The service has an active token, so the pages also prove that the docs and their assets
-need none (README, "Security"). The browser is Debian's chromium, never a downloaded one.
+need none (docs/operations.md, "Security"). The browser is Debian's chromium, never a
+downloaded one.
 """
 
 import uuid
@@ -13,7 +14,8 @@ from playwright.sync_api import Browser, Page, Route
 
 from app.access import new_token
 from app.cli import migrate
-from tests.helpers import create_database, drop_database, start_server, stop
+from tests.support.databases import create_database, drop_database
+from tests.support.servers import start_server, stop
 
 
 @pytest.fixture(scope="module")

@@ -22,17 +22,9 @@ from app.cli import main
 from app.config import Settings
 from app.errors import TITLES, Problem
 from app.main import create_app
-from tests.helpers import (
-    ROOT,
-    T1,
-    free_port,
-    post,
-    problem,
-    start_server,
-    step_path,
-    stop,
-    wait_ready,
-)
+from tests.support import ROOT
+from tests.support.http import T1, post, problem, step_path
+from tests.support.servers import free_port, start_server, stop, wait_ready
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The merge rules, through the real HTTP stack; each test also says what the history must be.
 
 The history (`GET .../attempts`) keeps one row per attempt that started; a replay or a refusal
-writes none (README, "Attempt history").
+writes none (docs/api.md, "Attempt history").
 """
 
 from datetime import UTC, datetime, timedelta
@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import psycopg
 
-from tests.helpers import T0, T1, T2, T3, T4, attempts, history, post, problem, record
+from tests.support.http import T0, T1, T2, T3, T4, attempts, history, post, problem, record
 
 
 def count_rows(database_url: str) -> int:

@@ -3,9 +3,7 @@
 import asyncio
 import json
 import os
-import select
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +13,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import httpx
@@ -24,18 +21,13 @@ import pytest
 
 from app.access import new_token
 from app.db import Pool
-from tests.helpers import (
-    BEHIND_PGBOUNCER,
-    ROOT,
-    citus_workers,
-    eventually,
-    free_port,
-    lock_waits,
-    pgbouncer,
-    problem,
-    start_server,
-    stop,
-)
+from tests.support import ROOT
+from tests.support.citus import citus_workers
+from tests.support.databases import lock_waits
+from tests.support.http import problem
+from tests.support.proxy import FreezableProxy, upstream
+from tests.support.servers import BEHIND_PGBOUNCER, free_port, pgbouncer, start_server, stop
+from tests.support.waits import eventually
 
 STATEMENT_TIMEOUT = 1.0
 BOUNDED = {"STEPRECORD_STATEMENT_TIMEOUT": str(STATEMENT_TIMEOUT)}
@@ -209,103 +201,6 @@ def test_lock_timeout_of_the_database_answers_503_and_keeps_the_pool(
             assert after.status_code == 200
     finally:
         alter_database(own_database, "RESET lock_timeout")
-
-
-class FreezableProxy:
-    """A TCP proxy to PostgreSQL that can stop answering.
-
-    Frozen, it accepts connections and never answers them, and relays nothing on the open
-    ones: a hung server, as far as a client can tell. Thawed, it drops what it held and
-    relays new connections again.
-    """
-
-    def __init__(self, upstream: tuple[str, int], *, frozen: bool = False) -> None:
-        self._upstream = upstream
-        self._frozen = frozen
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
-        self._peers: dict[socket.socket, socket.socket] = {}
-        self._held: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "FreezableProxy":
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._stopping.set()
-        self._thread.join(10)
-        with self._lock:
-            self._drop_all()
-        self._listener.close()
-
-    def url(self, database_url: str) -> str:
-        return psycopg.conninfo.make_conninfo(database_url, host="127.0.0.1", port=self.port)
-
-    def freeze(self) -> None:
-        with self._lock:
-            self._frozen = True
-
-    def thaw(self) -> None:
-        with self._lock:
-            self._drop_all()
-            self._frozen = False
-
-    def _drop_all(self) -> None:
-        for sock in [*self._peers, *self._held]:
-            sock.close()
-        self._peers.clear()
-        self._held.clear()
-
-    def _run(self) -> None:
-        while not self._stopping.is_set():
-            with self._lock:
-                watched = [self._listener, *([] if self._frozen else self._peers)]
-            readable, _, _ = select.select(watched, [], [], 0.05)
-            with self._lock:
-                for sock in readable:
-                    if sock is self._listener:
-                        self._accept()
-                    elif sock in self._peers and not self._frozen:
-                        self._relay(sock)
-
-    def _accept(self) -> None:
-        client, _ = self._listener.accept()
-        if self._frozen:
-            self._held.append(client)
-            return
-        host, port = self._upstream
-        if host.startswith("/"):  # a Unix socket directory, as the embedded server uses
-            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            server.connect(f"{host}/.s.PGSQL.{port}")
-        else:
-            server = socket.create_connection(self._upstream)
-        self._peers[client], self._peers[server] = server, client
-
-    def _relay(self, sock: socket.socket) -> None:
-        peer = self._peers[sock]
-        try:
-            data = sock.recv(65536)
-            if data:
-                peer.sendall(data)
-                return
-        except OSError:
-            pass
-        for end in (sock, peer):
-            self._peers.pop(end, None)
-            end.close()
-
-
-def upstream(database_url: str) -> tuple[str, int]:
-    info = psycopg.conninfo.conninfo_to_dict(database_url)
-    return str(info.get("host", "127.0.0.1")), int(str(info.get("port", 5432)))
 
 
 def start_app(database_url: str) -> tuple[str, subprocess.Popen[bytes]]:
@@ -526,7 +421,7 @@ def test_batch_cut_by_an_outage_midway_ends_as_a_clean_run_when_sent_again(
     own_database: str, watcher: Watcher
 ) -> None:
     """Earlier statements of a batch stay committed when a later one meets an outage; sending
-    the whole batch again replays them and applies the rest (see the README, Batch)."""
+    the whole batch again replays them and applies the rest (see docs/api.md, Batch)."""
     name = "steprecord-batch-" + uuid.uuid4().hex[:8]
     cut, clean = "cut-" + uuid.uuid4().hex[:8], "clean-" + uuid.uuid4().hex[:8]
     env = {"STEPRECORD_STATEMENT_TIMEOUT": "30"}

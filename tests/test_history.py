@@ -5,7 +5,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import T1, T2, T3, T4, attempts, history, post, problem, record, step_path
+from tests.support.http import T1, T2, T3, T4, attempts, history, post, problem, record, step_path
 
 
 def retried(client: httpx.Client) -> None:

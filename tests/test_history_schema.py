@@ -1,7 +1,7 @@
 """What the database refuses and keeps for the history (raw SQL): `workflow_step_attempt`.
 
 The history is written only by the record's triggers, so every write to the record — even a
-hand-written `UPDATE` — keeps it true (README, "Attempt history").
+hand-written `UPDATE` — keeps it true (docs/api.md, "Attempt history").
 """
 
 from collections.abc import Iterator
@@ -13,21 +13,13 @@ import pytest
 from app.data import leases, reads
 from app.data.common import constraint_name
 from app.models import STATUSES
-from tests.helpers import has_citus, node_of, one_shard, task_plans
-from tests.test_schema import BASE, T1, T2, Conn, insert, refused
+from tests.support.citus import has_citus, node_of
+from tests.support.http import T1, T2
+from tests.support.plans import one_shard, task_plans
+from tests.support.rows import BASE, Conn, insert, refused
 
 T3 = "2026-12-02T10:00:03Z"
 GUARD = "tr_workflow_step_attempt_guard"
-
-
-@pytest.fixture
-def instance_id(db: Conn) -> int:
-    row = db.execute(
-        "INSERT INTO process_instance (id, instance_key)"
-        " VALUES (steprecord_instance_id('run-1'), 'run-1') RETURNING id"
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 def history(db: Conn, record_id: int) -> list[tuple[Any, ...]]:

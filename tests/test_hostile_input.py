@@ -1,4 +1,4 @@
-"""No input reaches a 5xx, and every error is problem+json with a `code` (README, "Errors").
+"""No input reaches a 5xx, and every error is problem+json with a `code` (docs/api.md, "Errors").
 
 The routes come from the app's own OpenAPI document, so a route added later is walked too:
 hostile whole bodies, a hostile value at every field of each body, hostile path segments and
@@ -18,7 +18,7 @@ import pytest
 from app.main import create_app
 from app.routes.common import MAX_BATCH_DEPTH
 from app.serialize import MAX_DEPTH
-from tests.helpers import T1, T2, post, problem, record
+from tests.support.http import T1, T2, post, problem, record
 
 DOCUMENT: dict[str, Any] = create_app().openapi()
 Operation = tuple[str, str, dict[str, Any]]

@@ -19,7 +19,10 @@ from alembic import command
 
 from app.cli import migrate
 from app.main import alembic_config
-from tests.helpers import has_citus, migrated_database, problem, start_server, stop
+from tests.support.citus import has_citus
+from tests.support.databases import migrated_database
+from tests.support.http import problem
+from tests.support.servers import start_server, stop
 
 KEYS = ("order-1", "run-2", "fetch:3", "Z", "a" * 200)
 

@@ -1,8 +1,8 @@
 """The judge's two database functions, called with raw SQL as `psql` or another client would.
 
 `steprecord_apply_event` (one event, scalar arguments) must answer exactly as a one-element call
-of `steprecord_apply_events` (README, "Events"): the single endpoints use the first, batches the
-second.
+of `steprecord_apply_events` (docs/api.md, "Events"): the single endpoints use the first,
+batches the second.
 """
 
 from collections.abc import Iterator
@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from app.data.judge import PARAMS
-from tests.test_schema import on_citus
+from tests.support.citus import on_citus
 
 Conn = psycopg.Connection[tuple[object, ...]]
 

@@ -1,5 +1,6 @@
-"""Instance labels (README, "Labels"): set by events, batches and PATCH, refused beyond their
-limits by the service and by the database, filtered on the lists; and an instance's summary."""
+"""Instance labels (docs/operations.md, "Labels and an instance's summary"): set by events,
+batches and PATCH, refused beyond their limits by the service and by the database, filtered on
+the lists; and an instance's summary."""
 
 from datetime import UTC, datetime
 from typing import Any
@@ -10,7 +11,7 @@ import pytest
 
 from app.data import reads
 from app.data.common import constraint_name
-from tests.helpers import T0, T1, T2, T3, post, problem
+from tests.support.http import T0, T1, T2, T3, post, problem
 
 
 def send(

@@ -1,7 +1,7 @@
 """Leases, heartbeats, the sweeper and the reads across instances, through the HTTP stack.
 
 The shared server sweeps every 0.2 s, so an expired lease is closed about a second after a
-1-second lease ends (README, "Leases and the sweeper").
+1-second lease ends (docs/api.md, "Leases and the sweeper").
 """
 
 import time
@@ -15,21 +15,11 @@ import psycopg
 import pytest
 
 from app.data import leases
-from tests.helpers import (
-    T1,
-    T2,
-    attempts,
-    counter,
-    eventually,
-    history,
-    migrated_database,
-    post,
-    problem,
-    record,
-    start_server,
-    stop,
-    wait_for,
-)
+from tests.support.databases import migrated_database
+from tests.support.http import T1, T2, attempts, history, post, problem, record
+from tests.support.metrics import counter
+from tests.support.servers import start_server, stop
+from tests.support.waits import eventually, wait_for
 
 
 def parse(value: str) -> datetime:

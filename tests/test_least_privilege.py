@@ -14,17 +14,10 @@ from alembic.script import ScriptDirectory
 from app.data import roles
 from app.data.common import constraint_name
 from app.main import alembic_config
-from tests.helpers import (
-    T1,
-    T2,
-    eventually,
-    free_port,
-    login_role,
-    owned_database,
-    start_server,
-    steprecord,
-    stop,
-)
+from tests.support.databases import login_role, owned_database
+from tests.support.http import T1, T2
+from tests.support.servers import free_port, start_server, steprecord, stop
+from tests.support.waits import eventually
 
 SHORT_SWEEP = {"STEPRECORD_SWEEP_SECONDS": "0.2"}
 

@@ -13,7 +13,8 @@ from alembic.config import Config
 
 from app.main import alembic_config
 from migrations.guard import MigrationRefused
-from tests.helpers import has_citus
+from tests.support.citus import has_citus
+from tests.support.databases import revision_of
 
 # Why a test of a revision before 0020 is skipped on Citus.
 BEFORE_0020 = (
@@ -26,13 +27,6 @@ def config_for(url: str) -> Config:
     config = alembic_config()
     config.attributes["database_url"] = url
     return config
-
-
-def revision_of(url: str) -> str:
-    with psycopg.connect(url) as conn:
-        row = conn.execute("SELECT version_num FROM alembic_version").fetchone()
-    assert row is not None
-    return str(row[0])
 
 
 def constraints_of_api_token(url: str) -> set[str]:

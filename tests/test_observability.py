@@ -10,7 +10,7 @@ from pydantic import SecretStr
 
 from app.config import Settings
 from app.main import create_app
-from tests.helpers import T1, T2, post, problem
+from tests.support.http import T1, T2, post, problem
 
 
 def failing_app(database_url: str) -> FastAPI:

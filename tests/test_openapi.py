@@ -13,7 +13,9 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from app.cli import openapi_json
-from tests.helpers import T1, T2, WAIT, metric, metrics, post
+from tests.support.http import T1, T2, post
+from tests.support.metrics import metric, metrics
+from tests.support.streams import WAIT
 
 DOCUMENT = Path(__file__).resolve().parent.parent / "openapi" / "openapi.json"
 # Generated calls include the stream: schemathesis reads an event stream until it has sent 20

@@ -16,15 +16,10 @@ import httpx
 import psycopg
 import pytest
 
-from tests.helpers import (
-    BEHIND_PGBOUNCER,
-    counter,
-    eventually,
-    lock_waits,
-    pgbouncer,
-    start_server,
-    stop,
-)
+from tests.support.databases import lock_waits
+from tests.support.metrics import counter
+from tests.support.servers import BEHIND_PGBOUNCER, pgbouncer, start_server, stop
+from tests.support.waits import eventually
 
 
 @pytest.fixture(scope="module")

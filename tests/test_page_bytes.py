@@ -1,5 +1,5 @@
 """A page stops before its body passes 16 MiB, with the cursor after its last item: paging on
-reads every item exactly once, in order (see the README, Reads)."""
+reads every item exactly once, in order (see docs/api.md, Reads)."""
 
 from typing import Any
 
@@ -8,7 +8,7 @@ import psycopg
 
 from app.limits import MAX_MESSAGE_BYTES, MAX_OUTPUT_BYTES
 from app.serialize import MAX_PAGE_BYTES, dumps_page, loads, shown
-from tests.helpers import post, step_path
+from tests.support.http import post, step_path
 
 # `{"blob": "xx…x"}` as the database writes it: exactly the largest inline output.
 BLOB = "x" * (MAX_OUTPUT_BYTES - len('{"blob": ""}'))

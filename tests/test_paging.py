@@ -1,4 +1,4 @@
-"""Paging by `started_at` while steps restart between page reads (see the README, Reads)."""
+"""Paging by `started_at` while steps restart between page reads (see docs/api.md, Reads)."""
 
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import post
+from tests.support.http import post
 
 STEPS = "/v1/instances/order-1/steps"
 BASE = datetime(2026, 12, 2, 10, 0, 0, 100, tzinfo=UTC)

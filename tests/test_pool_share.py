@@ -9,20 +9,19 @@ from typing import Any
 import httpx
 import psycopg
 
-from tests.helpers import eventually, lock_waits, node_of, problem, start_server, steprecord, stop
-from tests.test_faults import FreezableProxy, upstream
+from tests.support.citus import node_of
+from tests.support.databases import lock_waits
+from tests.support.http import problem
+from tests.support.proxy import FreezableProxy, upstream
+from tests.support.servers import start_server, steprecord, stop
+from tests.support.tokens import create_token
+from tests.support.waits import eventually
 
 # A pool of 4, so the default share is 2; statements may wait on a lock for long.
 ENV = {"STEPRECORD_POOL_SIZE": "4", "STEPRECORD_STATEMENT_TIMEOUT": "60"}
 FLOOD = 12
 
 Watcher = psycopg.Connection[tuple[Any, ...]]
-
-
-def create_token(database_url: str, name: str) -> str:
-    done = steprecord(database_url, "token", "create", name, "--scope", "write")
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
 
 
 def client(url: str, token: str) -> httpx.Client:
@@ -33,8 +32,8 @@ def test_a_token_flooding_the_pool_gets_429_while_another_tokens_requests_go_on(
     own_database: str,
 ) -> None:
     suffix = uuid.uuid4().hex[:8]
-    flooding = create_token(own_database, f"flood-{suffix}")
-    calm = create_token(own_database, f"calm-{suffix}")
+    flooding = create_token(own_database, f"flood-{suffix}", "write")
+    calm = create_token(own_database, f"calm-{suffix}", "write")
     key, other_key = f"flood-{suffix}", f"calm-{suffix}"
     # The blocked writes wait where the record is: the server, or on Citus its worker.
     watcher: Watcher = psycopg.connect(node_of(own_database, key), autocommit=True)
@@ -86,7 +85,7 @@ def test_a_token_flooding_the_pool_gets_429_while_another_tokens_requests_go_on(
 
 def test_a_token_whose_connections_cannot_open_gets_503_not_429(own_database: str) -> None:
     """Its share is not busy with its own statements: the database is out, and says so."""
-    secret = create_token(own_database, f"outage-{uuid.uuid4().hex[:8]}")
+    secret = create_token(own_database, f"outage-{uuid.uuid4().hex[:8]}", "write")
     with FreezableProxy(upstream(own_database)) as proxy:
         env = ENV | {"STEPRECORD_STATEMENT_TIMEOUT": "1", "STEPRECORD_SWEEP_SECONDS": "0"}
         url, proc = start_server(proxy.url(own_database), env=env)
@@ -211,9 +210,9 @@ def test_two_busy_tokens_leave_the_reserve_to_a_third(own_database: str) -> None
     """A pool of 4 with shares of 2: two flooding tokens take 3 connections, not 4; the
     last (STEPRECORD_POOL_RESERVE, 1 by default) goes only to a token holding none."""
     suffix = uuid.uuid4().hex[:8]
-    first = create_token(own_database, f"busy-a-{suffix}")
-    second = create_token(own_database, f"busy-b-{suffix}")
-    calm = create_token(own_database, f"third-{suffix}")
+    first = create_token(own_database, f"busy-a-{suffix}", "write")
+    second = create_token(own_database, f"busy-b-{suffix}", "write")
+    calm = create_token(own_database, f"third-{suffix}", "write")
     url, proc = start_server(own_database, env=ENV)
     try:
         one, two, calm_key = keys_on_one_node(

@@ -28,21 +28,12 @@ from psycopg.rows import dict_row
 from app import pruning
 from app.config import Settings
 from app.data import retention
-from tests.helpers import (
-    T1,
-    T2,
-    T3,
-    age,
-    counter,
-    eventually,
-    exists,
-    metrics,
-    migrated_database,
-    post,
-    start_server,
-    steprecord,
-    stop,
-)
+from tests.support.databases import migrated_database
+from tests.support.http import T1, T2, T3, exists, post
+from tests.support.metrics import counter, metrics
+from tests.support.rows import age
+from tests.support.servers import start_server, steprecord, stop
+from tests.support.waits import eventually
 
 # Nothing listens here: a command that tried to read the database would fail differently.
 NOWHERE = "postgresql://postgres@127.0.0.1:9/none"

@@ -1,4 +1,5 @@
-"""The reads (README, "Reads"): lists in both orders, cursors, filters, summaries, instances."""
+"""The reads (docs/api.md, "Reads"): lists in both orders, cursors, filters, summaries,
+instances."""
 
 import base64
 import zoneinfo
@@ -14,7 +15,7 @@ from app.data import reads
 from app.domain import Order
 from app.serialize import dumps, page_json, record_json, timestamp
 from tests.bench import queries
-from tests.helpers import T1, T2, T3, post, problem, record
+from tests.support.http import T1, T2, T3, post, problem, record
 
 STEPS = "/v1/instances/order-1/steps"
 

@@ -23,23 +23,14 @@ from steprecord_client import AsyncRecorder, Recorder, StaleAttempt
 from app.cli import migrate, writer_name
 from app.data.common import constraint_name
 from app.main import alembic_config
-from tests.helpers import (
-    Stream,
-    access_loaded,
-    attempts,
-    counter,
-    eventually,
-    has_citus,
-    history,
-    logged_server,
-    metrics,
-    migrated_database,
-    post,
-    problem,
-    record,
-    step_path,
-    steprecord,
-)
+from tests.support.citus import has_citus
+from tests.support.databases import migrated_database
+from tests.support.http import attempts, history, post, problem, record, step_path
+from tests.support.metrics import counter, metrics
+from tests.support.servers import logged_server, steprecord
+from tests.support.streams import Stream
+from tests.support.tokens import access_loaded
+from tests.support.waits import eventually
 
 T1, T2, T3, T4 = (f"2026-12-02T10:00:0{n}Z" for n in (1, 2, 3, 4))
 REASON = "the card processor confirmed the charge was reversed"

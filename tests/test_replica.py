@@ -21,18 +21,11 @@ from app.cli import migrate
 from app.embedded import EmbeddedPostgres
 from app.live import MAX_BEHIND_SECONDS
 from app.replica import check_interval
-from tests.helpers import (
-    Event,
-    Stream,
-    counter,
-    eventually,
-    make_replica,
-    metric,
-    metrics,
-    server_directory,
-    start_server,
-    stop,
-)
+from tests.support.databases import make_replica, server_directory
+from tests.support.metrics import counter, metric, metrics
+from tests.support.servers import start_server, stop
+from tests.support.streams import Event, Stream
+from tests.support.waits import eventually
 
 MAX_LAG = 1.0
 # The bound plus two checks, and a second for a busy machine.

@@ -11,7 +11,8 @@ import pytest
 
 from app.data.common import constraint_name
 from app.errors import KEY_RULE, NAME_RULE
-from tests.helpers import T0, T1, T2, has_citus, post, problem
+from tests.support.citus import has_citus
+from tests.support.http import T0, T1, T2, post, problem
 
 SCHEDULED = "etl_daily:scheduled__2026-12-06T00:00:00+00:00"
 MANUAL = "etl_daily:manual__2026-12-06T10:00:00.123456+00:00~retry"

@@ -16,84 +16,10 @@ from app.data.common import constraint_name
 from app.db import sync_engine
 from app.main import alembic_config
 from app.models import metadata
-from tests.helpers import has_citus, node_of, task_plans
-
-Conn = psycopg.Connection[tuple[Any, ...]]
-T1, T2 = "2026-12-02T10:00:01Z", "2026-12-02T10:00:02Z"
-
-VALID: dict[str, dict[str, Any]] = {
-    "pending": {},
-    "running": {"started_at": T1},
-    "completed_inline": {
-        "status": "completed",
-        "started_at": T1,
-        "completed_at": T2,
-        "output": '{"a": 1}',
-    },
-    "completed_external": {
-        "status": "completed",
-        "started_at": T1,
-        "completed_at": T2,
-        "external_output_url": "s3://b/k",
-    },
-    "completed_empty": {"status": "completed", "started_at": T1, "completed_at": T2},
-    "failed": {
-        "status": "failed",
-        "started_at": T1,
-        "completed_at": T2,
-        "error_code": "Boom",
-        "error_message": "it broke",
-    },
-}
-BASE: dict[str, dict[str, Any]] = {
-    "pending": {"status": "pending"},
-    "running": {"status": "running", "started_at": T1},
-    "completed": VALID["completed_inline"],
-    "failed": VALID["failed"],
-}
-
-
-@pytest.fixture
-def instance_id(db: Conn) -> int:
-    row = db.execute(
-        "INSERT INTO process_instance (id, instance_key)"
-        " VALUES (steprecord_instance_id('run-1'), 'run-1') RETURNING id"
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-_counter = iter(range(10**9))
-
-
-def insert(db: Conn, instance_id: int, **fields: Any) -> int:
-    values = {
-        "step_slug": f"s{next(_counter)}",
-        "ordinal": next(_counter),
-        "status": "pending",
-        "attempt_count": 1,
-        **fields,
-    }
-    columns = ", ".join(["instance_id", *values])
-    marks = ", ".join(["%s"] * (len(values) + 1))
-    row = db.execute(
-        f"INSERT INTO workflow_step_record ({columns}) VALUES ({marks}) RETURNING id",
-        [instance_id, *values.values()],
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-def refused(db: Conn, constraint: str, sql: str, params: Any = ()) -> None:
-    """`sql` is refused by `constraint`, named as the service names it (on Citus a worker's
-    refusal reaches the client with the name in its message only)."""
-    with pytest.raises(psycopg.errors.IntegrityError) as caught, db.transaction():
-        db.execute(sql, params)
-    assert constraint_name(caught.value) == constraint
-
-
-def on_citus(db: Conn) -> bool:
-    return db.execute("SELECT 1 FROM pg_extension WHERE extname = 'citus'").fetchone() is not None
+from tests.support.citus import has_citus, node_of, on_citus
+from tests.support.http import T1, T2
+from tests.support.plans import plan, task_plans
+from tests.support.rows import BASE, VALID, Conn, insert, refused
 
 
 @pytest.mark.parametrize("shape", VALID)
@@ -469,11 +395,6 @@ def big_table(db: Conn) -> Conn:
     """10^5 records over 100 instances of 1,000 steps (rolled back after the test)."""
     load_big_table(db)
     return db
-
-
-def plan(db: Conn, sql: str, params: dict[str, Any]) -> str:
-    rows = db.execute("EXPLAIN " + sql, params).fetchall()
-    return "\n".join(str(r[0]) for r in rows)
 
 
 def function_plans(db: Conn, sql: str, params: list[Any]) -> str:

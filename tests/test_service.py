@@ -19,19 +19,18 @@ from app.cli import migrate
 from app.data.revision import MIGRATION_LOCK
 from app.embedded import EmbeddedPostgres
 from app.main import create_app, schema_head
-from tests.helpers import (
+from tests.support import ROOT
+from tests.support.databases import migrated_database
+from tests.support.metrics import counter, metrics
+from tests.support.servers import (
     BEHIND_PGBOUNCER,
-    ROOT,
-    counter,
-    eventually,
     free_port,
-    metrics,
-    migrated_database,
     pgbouncer,
     start_server,
     stop,
     wait_ready,
 )
+from tests.support.waits import eventually, wait_for
 
 
 def serve_embedded(data_dir: Path, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
@@ -141,11 +140,14 @@ def test_migrating_waits_for_the_migration_lock(scratch_database: str) -> None:
             cwd=ROOT,
         )
         try:
-            deadline = time.monotonic() + 30
-            while holder.execute(WAITING_FOR_A_LOCK).fetchone() != (1,):
+
+            def waiting() -> bool:
+                if holder.execute(WAITING_FOR_A_LOCK).fetchone() == (1,):
+                    return True
                 assert proc.poll() is None, "migrate finished while the lock was held"
-                assert time.monotonic() < deadline, "migrate never waited for the lock"
-                time.sleep(0.05)
+                return False
+
+            eventually(waiting, seconds=30, what="migrate to wait for the lock")
             tables = holder.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'")
             assert tables.fetchone() == (0,)
             holder.commit()  # releases the lock
@@ -256,14 +258,14 @@ def test_readyz_is_503_until_the_schema_is_at_head(scratch_database: str) -> Non
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
+
+        def answered() -> httpx.Response | None:
             try:
-                health = httpx.get(f"{url}/healthz")
-                break
+                return httpx.get(f"{url}/healthz")
             except httpx.TransportError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+                return None
+
+        health = wait_for("the health check to answer", answered, seconds=30)
         assert health.status_code == 200
         ready = httpx.get(f"{url}/readyz")
         assert ready.status_code == 503
@@ -292,10 +294,12 @@ def test_outage_answers_503_fast_and_recovers_by_itself(own_postgres: EmbeddedPo
             eventually(lambda: client.get("/readyz").status_code == 503, seconds=2)
             assert client.get("/healthz").status_code == 200
             own_postgres.start()
-            back = time.monotonic()
-            while client.post("/v1/instances/r/steps/c/start").status_code != 201:
-                assert time.monotonic() - back < 1, "no recovery within a second"
-                time.sleep(0.02)
+            eventually(
+                lambda: client.post("/v1/instances/r/steps/c/start").status_code == 201,
+                seconds=1,
+                interval=0.02,
+                what="recovery within a second",
+            )
             eventually(lambda: client.get("/readyz").status_code == 200, seconds=2)
             steps = client.get("/v1/instances/r/steps").json()["items"]
             assert [s["step_slug"] for s in steps] == ["a", "c"]

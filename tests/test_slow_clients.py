@@ -14,7 +14,8 @@ from contextlib import ExitStack, contextmanager
 import httpx
 import pytest
 
-from tests.helpers import eventually, logged_server
+from tests.support.servers import logged_server
+from tests.support.waits import eventually
 
 HEADER_TIMEOUT = 1.0
 BODY_TIMEOUT = 3.0

@@ -15,7 +15,7 @@ from app.cli import migrate
 from app.distribution import custom_plan_statements
 from app.main import alembic_config
 from app.sql import COMMAND, frozen_as_of, render, revision_number, source
-from tests.helpers import has_citus
+from tests.support.citus import has_citus
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = sorted((ROOT / "app" / "sql").glob("*.sql"))

@@ -1,4 +1,5 @@
-"""Step statistics, long-running steps and far-future timestamps (README, "Step statistics")."""
+"""Step statistics, long-running steps and far-future timestamps (docs/operations.md,
+"Long-running steps and step statistics")."""
 
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -9,7 +10,8 @@ import pytest
 
 from app.cursors import long_running_cursor
 from app.data import stats as stats_data
-from tests.helpers import T0, metric, metrics, post, problem
+from tests.support.http import T0, ago, post, problem
+from tests.support.metrics import metric, metrics
 
 STATS = "/v1/stats/steps"
 WINDOW = {"since": "2026-12-02T00:00:00Z", "until": "2026-12-03T00:00:00Z"}
@@ -167,10 +169,6 @@ def test_a_window_near_the_earliest_time_starts_there(client: httpx.Client) -> N
 
 
 # --- long-running steps ----------------------------------------------------------------
-
-
-def ago(**delta: float) -> str:
-    return (datetime.now(UTC) - timedelta(**delta)).isoformat()
 
 
 def test_running_longer_than_lists_the_longest_running_first(client: httpx.Client) -> None:

@@ -1,4 +1,4 @@
-"""Live updates (README, "Live updates"): the stream of an instance's records over real
+"""Live updates (docs/api.md, "Live updates"): the stream of an instance's records over real
 servers, resumption by event id, several workers and service instances, and the database's
 part (the notification on commit, the transaction id of each write)."""
 
@@ -26,23 +26,13 @@ from app.limits import MAX_OUTPUT_BYTES
 from app.live import LISTENER_NAME
 from app.main import create_app
 from app.replica import ReadPool
-from tests.helpers import (
-    T1,
-    T2,
-    T3,
-    WAIT,
-    Stream,
-    asgi_scope,
-    eventually,
-    metric,
-    migrated_database,
-    node_of,
-    post,
-    problem,
-    start_server,
-    step_path,
-    stop,
-)
+from tests.support.citus import node_of
+from tests.support.databases import migrated_database
+from tests.support.http import T1, T2, T3, asgi_scope, post, problem, step_path
+from tests.support.metrics import metric
+from tests.support.servers import start_server, stop
+from tests.support.streams import WAIT, Stream
+from tests.support.waits import eventually
 
 
 def as_read(client: httpx.Client, instance: str, step: str) -> str:
@@ -67,7 +57,7 @@ def test_a_stream_sends_every_record_then_each_applied_write(
         assert event.data == as_read(client, "order-1", event.record["step_slug"])
 
     # Each write waits for its event: a record written twice before the stream reads it is
-    # sent once, in its latest state (README, "Live updates").
+    # sent once, in its latest state (docs/api.md, "Live updates").
     live = []
     for kind, body, step in [
         ("complete", {"attempt": 1, "output": {"rows": 3}}, "fetch"),

@@ -8,26 +8,15 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.helpers import (
-    WAIT,
-    Event,
-    Stream,
-    counter,
-    eventually,
-    migrated_database,
-    problem,
-    start_server,
-    steprecord,
-    stop,
-)
+from tests.support.databases import migrated_database
+from tests.support.http import problem
+from tests.support.metrics import counter
+from tests.support.servers import start_server, steprecord, stop
+from tests.support.streams import WAIT, Event, Stream
+from tests.support.tokens import bearer, create_token
+from tests.support.waits import eventually
 
 PER_TOKEN = 3
-
-
-def create_token(database_url: str, name: str, scope: str) -> str:
-    done = steprecord(database_url, "token", "create", name, "--scope", scope)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +35,6 @@ def guarded(server_dsn: str) -> Iterator[tuple[str, str]]:
             yield base, url
         finally:
             stop(proc)
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
 
 
 def test_revoking_a_token_ends_its_open_streams_within_seconds(

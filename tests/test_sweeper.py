@@ -8,7 +8,9 @@ import psycopg
 
 from app.cli import migrate
 from app.embedded import EmbeddedPostgres
-from tests.helpers import counter, start_server, stop
+from tests.support.metrics import counter
+from tests.support.servers import start_server, stop
+from tests.support.waits import eventually, wait_for
 
 FAST = {"STEPRECORD_SWEEP_SECONDS": "0.05"}
 STEPS = 300
@@ -36,13 +38,18 @@ def test_two_service_instances_sweep_each_expired_lease_exactly_once(own_databas
             ]
             results = httpx.post(f"{first}/v1/events", json={"events": events}, timeout=30)
             assert [r["status"] for r in results.json()["results"]] == [201] * STEPS
-            deadline = time.monotonic() + 30
             with psycopg.connect(own_database, autocommit=True) as conn:
-                while conn.execute(
-                    "SELECT count(*) FROM workflow_step_record WHERE status = 'running'"
-                ).fetchone() != (0,):
-                    assert time.monotonic() < deadline, "leases not swept in time"
-                    time.sleep(0.1)
+                eventually(
+                    lambda: (
+                        conn.execute(
+                            "SELECT count(*) FROM workflow_step_record WHERE status = 'running'"
+                        ).fetchone()
+                        == (0,)
+                    ),
+                    seconds=30,
+                    interval=0.1,
+                    what="the leases to be swept",
+                )
                 records = conn.execute(
                     "SELECT status, error_code FROM workflow_step_record"
                 ).fetchall()
@@ -77,13 +84,14 @@ def test_the_sweeper_resumes_after_a_database_outage(own_postgres: EmbeddedPostg
                 assert client.get("/healthz").status_code == 200
                 time.sleep(0.1)
             own_postgres.start()
-            deadline = time.monotonic() + 15
-            while True:
+
+            def failed() -> httpx.Response | None:
                 response = client.get("/v1/instances/r/steps/a")
                 if response.status_code == 200 and response.json()["status"] == "failed":
-                    break
-                assert time.monotonic() < deadline, "the sweeper did not resume"
-                time.sleep(0.1)
+                    return response
+                return None
+
+            response = wait_for("the sweeper to resume", failed, seconds=15)
             assert response.json()["error_code"] == "lease_expired"
             assert response.json()["completed_at"] == started.json()["lease_expires_at"]
     finally:

@@ -15,13 +15,11 @@ import pytest
 
 from app.data import reads
 from app.models import STATUSES
-from tests.helpers import (
-    access_loaded,
-    eventually,
-    logged_server,
-    migrated_database,
-    steprecord,
-)
+from tests.support.databases import migrated_database
+from tests.support.plans import plan
+from tests.support.servers import logged_server, steprecord
+from tests.support.tokens import access_loaded
+from tests.support.waits import eventually
 
 WORKERS = 2
 TRIES = 4  # requests per check: both workers answer some of them
@@ -382,10 +380,6 @@ def two_tenants(db: psycopg.Connection[tuple[object, ...]]) -> Any:
 # In a database whose collation is C, the unique index on the key is byte-ordered too and the
 # planner may read the prefix's range from it instead.
 PREFIX_INDEXES = ("ix_process_instance_instance_key_prefix", "uq_process_instance_instance_key")
-
-
-def plan(db: Any, sql: str, params: dict[str, Any]) -> str:
-    return "\n".join(str(r[0]) for r in db.execute("EXPLAIN " + sql, params).fetchall())
 
 
 def range_scanned(text: str) -> bool:

@@ -3,7 +3,7 @@
 
 The traced service is the real one (`steprecord serve`), exporting to a real OTLP/HTTP
 receiver that this module starts in a thread and that decodes every export's protobuf
-(tests/helpers.py, `otlp_receiver`); nothing of the SDK is mocked. The shared server of the
+(tests/support/tracing.py, `otlp_receiver`); nothing of the SDK is mocked. The shared server of the
 other tests has no endpoint: it exports nothing and keeps a caller's `traceparent` alone.
 """
 
@@ -38,20 +38,13 @@ from app.config import Settings
 from app.data.common import constraint_name
 from app.main import alembic_config, create_app
 from tests import celery_traced_tasks
-from tests.helpers import (
-    ROOT,
-    OtlpReceiver,
-    Span,
-    attempts,
-    free_port,
-    has_citus,
-    otlp_receiver,
-    require_celery_services,
-    start_server,
-    steprecord,
-    stop,
-    wait_for,
-)
+from tests.support import ROOT
+from tests.support.brokers import require_celery_services
+from tests.support.citus import has_citus
+from tests.support.http import attempts
+from tests.support.servers import free_port, start_server, steprecord, stop
+from tests.support.tracing import OtlpReceiver, Span, otlp_receiver
+from tests.support.waits import wait_for
 
 SERVICE = "steprecord-trace-test"
 TRACE_URL = "https://traces.example/trace/{trace_id}?from=steprecord"

@@ -8,8 +8,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.helpers import counter, eventually, migrated_database, start_server, steprecord, stop
-from tests.test_access import REFRESH, bearer, create_token
+from tests.support.databases import migrated_database
+from tests.support.metrics import counter
+from tests.support.servers import start_server, steprecord, stop
+from tests.support.tokens import REFRESH, bearer, create_token
+from tests.support.waits import eventually
 
 
 @pytest.fixture

@@ -21,36 +21,21 @@ from playwright.sync_api import Browser, Page, expect
 from steprecord_client import fit_message
 
 from app import sessions
-from app.access import new_token
 from app.cli import migrate
 from app.data import dashboard, reads
 from app.shown import shown
-from tests.helpers import (
-    T0,
-    T1,
-    T2,
-    T3,
-    T4,
-    create_database,
-    drop_database,
-    one_shard,
-    post,
-    screenshot,
-    start_server,
-    stop,
-)
+from tests.support.browser import screenshot
+from tests.support.databases import create_database, drop_database
+from tests.support.http import T0, T1, T2, T3, T4, html, post
+from tests.support.plans import one_shard, plan
+from tests.support.servers import start_server, stop
+from tests.support.tokens import insert_token
+from tests.support.waits import eventually
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 SCRIPT = "<script>window.pwned = 1</script>"
 IMAGE = "<img src=x onerror=window.pwned=1>"
 SCRIPT_URL = "javascript://example.com/%0Awindow.pwned=1"
-
-
-def html(client: httpx.Client, path: str, status: int = 200) -> str:
-    response = client.get(path)
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("text/html")
-    return response.text
 
 
 def order_with_history(client: httpx.Client, instance: str = "order-1") -> None:
@@ -342,13 +327,14 @@ def test_failing_now_and_stuck_list_steps_across_instances(client: httpx.Client)
     assert "a-2" not in failing
     # The lease expires after a second; the sweeper (every 0.2 s here) may then fail the step,
     # so it is either listed as stuck or, swept, as failing with lease_expired.
-    deadline = time.monotonic() + 10
-    while True:
-        stuck, failing = html(client, "/ui/stuck"), html(client, "/ui/failing")
-        if "a-2" in stuck or "lease_expired" in failing:
-            break
-        assert time.monotonic() < deadline, "the expired lease never showed"
-        time.sleep(0.1)
+    eventually(
+        lambda: (
+            "a-2" in html(client, "/ui/stuck") or "lease_expired" in html(client, "/ui/failing")
+        ),
+        seconds=10,
+        interval=0.1,
+        what="the expired lease to show",
+    )
 
 
 TRACEBACK = (
@@ -404,16 +390,6 @@ def test_without_tokens_the_dashboard_is_open_only_where_the_api_is(
 
 
 # --- access with tokens ----------------------------------------------------------------
-
-
-def insert_token(database_url: str, name: str, scope: str) -> str:
-    token, digest = new_token()
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(
-            "INSERT INTO api_token (name, scope, token_sha256) VALUES (%s, %s, %s)",
-            (name, scope, digest),
-        )
-    return token
 
 
 @pytest.fixture(scope="module")
@@ -700,10 +676,6 @@ def many_instances(db: psycopg.Connection[tuple[object, ...]]) -> Any:
     return db
 
 
-def plan(db: Any, sql: str, params: dict[str, Any]) -> str:
-    return "\n".join(str(r[0]) for r in db.execute("EXPLAIN " + sql, params).fetchall())
-
-
 LIST = {"before_created_at": "infinity", "before_id": 0, "limit": 51}
 
 
@@ -772,15 +744,6 @@ def test_a_prefix_range_ends_just_past_the_keys_it_starts() -> None:
 
 
 # --- in a real browser -----------------------------------------------------------------
-
-
-@pytest.fixture
-def page(browser: Browser, server_url: str) -> Iterator[Page]:
-    context = browser.new_context(base_url=server_url, viewport={"width": 1100, "height": 700})
-    try:
-        yield context.new_page()
-    finally:
-        context.close()
 
 
 def shot(page: Page, name: str) -> None:

@@ -13,7 +13,8 @@ import pytest
 from playwright.sync_api import Browser, Page, expect
 from steprecord_client.airflow import instance_key, step_slug
 
-from tests.helpers import post, screenshot
+from tests.support.browser import screenshot
+from tests.support.http import post
 
 DAG, RUN_ID = "etl_daily", "scheduled__2026-12-06T00:00:00+00:00"
 KEY = instance_key(DAG, RUN_ID)

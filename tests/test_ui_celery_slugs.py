@@ -3,7 +3,7 @@ and the start of its id (cut to fit), the full slug on hover (`title=`) and on t
 
 import httpx
 
-from tests.helpers import T0, T1, post
+from tests.support.http import T0, T1, post
 
 TASK_ID = "5f0c7d6e-2b1a-4c3d-9e8f-0a1b2c3d4e5f"
 SLUG = f"shop.tasks.charge:{TASK_ID}"

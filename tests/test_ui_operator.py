@@ -3,7 +3,6 @@ failing step (read by index), and the Stuck page's running steps without a lease
 run longer than STEPRECORD_LONG_RUNNING_AFTER, marked "no lease"."""
 
 import re
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -11,17 +10,8 @@ import psycopg
 import pytest
 
 from app.data import dashboard
-from tests.helpers import one_shard, post
-
-
-def ago(**delta: float) -> str:
-    return (datetime.now(UTC) - timedelta(**delta)).isoformat()
-
-
-def html(client: httpx.Client, path: str) -> str:
-    response = client.get(path)
-    assert response.status_code == 200, response.text
-    return response.text
+from tests.support.http import ago, html, post
+from tests.support.plans import one_shard
 
 
 def row_of(page: str, key: str) -> str:

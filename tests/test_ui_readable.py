@@ -15,7 +15,8 @@ import pytest
 from playwright.sync_api import Browser, Page, expect
 
 from app import ui
-from tests.helpers import post, screenshot
+from tests.support.browser import screenshot
+from tests.support.http import html, post
 
 ROOT_ID = "00000000-aaaa-4bbb-8ccc-000000000000"
 FETCH = "shop.tasks.fetch_order:00000000-1111-4222-8333-444444444444"
@@ -62,12 +63,6 @@ def celery_chain(client: httpx.Client) -> None:
     attempt(client, ROOT_ID, CHARGE, 2, at(seconds=1.06), at(seconds=1.11))
     attempt(client, ROOT_ID, SHIP, 1, at(seconds=1.2), at(hours=2, seconds=1.2))
     attempt(client, ROOT_ID, RECONCILE, 1, at(hours=1), None)
-
-
-def html(client: httpx.Client, path: str) -> str:
-    response = client.get(path)
-    assert response.status_code == 200, response.text
-    return response.text
 
 
 # --- without a browser -----------------------------------------------------------------

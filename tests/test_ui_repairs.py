@@ -1,12 +1,10 @@
 """The dashboard's step page shows a step's repairs: when, who, which attempt, and why."""
 
-from collections.abc import Iterator
-
 import httpx
-import pytest
-from playwright.sync_api import Browser, Page, expect
+from playwright.sync_api import Page, expect
 
-from tests.helpers import post, screenshot, step_path
+from tests.support.browser import screenshot
+from tests.support.http import post, step_path
 
 REASON = "refund confirmed by the processor <b>by hand</b>; run the charge again"
 
@@ -34,15 +32,6 @@ def test_the_step_page_lists_repairs_newest_first_as_text(client: httpx.Client) 
     assert other.status_code == 404
     post(client, "declare", step="other")
     assert "Repairs" not in client.get("/ui/instances/order-1/steps/other").text
-
-
-@pytest.fixture
-def page(browser: Browser, server_url: str) -> Iterator[Page]:
-    context = browser.new_context(base_url=server_url, viewport={"width": 1100, "height": 700})
-    try:
-        yield context.new_page()
-    finally:
-        context.close()
 
 
 def test_the_step_page_shows_repairs_in_the_browser(page: Page, client: httpx.Client) -> None:

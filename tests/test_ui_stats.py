@@ -9,13 +9,15 @@ from datetime import UTC, datetime, timedelta
 from html import unescape
 
 import httpx
-import psycopg
 import pytest
-from playwright.sync_api import Browser, Page, expect
+from playwright.sync_api import Page, expect
 
-from app.access import new_token
 from app.cli import migrate
-from tests.helpers import create_database, drop_database, post, screenshot, start_server, stop
+from tests.support.browser import screenshot
+from tests.support.databases import create_database, drop_database
+from tests.support.http import html, post
+from tests.support.servers import start_server, stop
+from tests.support.tokens import insert_token
 
 TASK = "shop.tasks.charge"
 
@@ -52,12 +54,6 @@ def workload(client: httpx.Client, prefix: str = "order-") -> None:
     for i, error in enumerate(("Timeout", "Timeout", None)):
         run(client, f"{prefix}{i + 1}", f"{TASK}:{uuid.uuid4()}", 1.0, error=error)
     run(client, f"{prefix}1", "ship", 30.0)
-
-
-def html(client: httpx.Client, path: str, status: int = 200) -> str:
-    response = client.get(path)
-    assert response.status_code == status, response.text
-    return response.text
 
 
 def stat_rows(page: str) -> dict[str, str]:
@@ -122,16 +118,6 @@ def test_failing_now_has_a_sparkline_of_failures_per_hour(client: httpx.Client) 
 # --- within a tenant token's prefix ----------------------------------------------------
 
 
-def insert_token(database_url: str, name: str, scope: str, prefix: str | None) -> str:
-    token, digest = new_token()
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(
-            "INSERT INTO api_token (name, scope, token_sha256, key_prefix) VALUES (%s, %s, %s, %s)",
-            (name, scope, digest, prefix),
-        )
-    return token
-
-
 @pytest.fixture(scope="module")
 def tenant(server_dsn: str) -> Iterator[tuple[str, str, str]]:
     """A server of this module's own: (url, a write token, a read token of prefix `acme-`)."""
@@ -170,15 +156,6 @@ def test_a_tenant_sees_the_statistics_and_failures_of_its_prefix_only(
 
 
 # --- in a real browser -----------------------------------------------------------------
-
-
-@pytest.fixture
-def page(browser: Browser, server_url: str) -> Iterator[Page]:
-    context = browser.new_context(base_url=server_url, viewport={"width": 1100, "height": 700})
-    try:
-        yield context.new_page()
-    finally:
-        context.close()
 
 
 def test_the_statistics_page_and_failing_now_in_the_browser(

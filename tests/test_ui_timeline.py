@@ -5,15 +5,16 @@ drawn by the same server code as the rest."""
 
 import itertools
 import re
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page, expect
+from playwright.sync_api import Page, expect
 
 from app import timeline
-from tests.helpers import post, screenshot, wait_for
+from tests.support.browser import screenshot
+from tests.support.http import html, post
+from tests.support.waits import wait_for
 
 RUN = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
 TASK_ID = "5f0c7d6e-2b1a-4c3d-9e8f-0a1b2c3d4e5f"
@@ -51,12 +52,6 @@ def three_day_run(client: httpx.Client, instance: str = "slow-1") -> None:
     assert post(client, "start", again, instance, "ship").is_success
     done = {"attempt": 2, "completed_at": at(days=3)}
     assert post(client, "complete", done, instance, "ship").is_success
-
-
-def html(client: httpx.Client, path: str) -> str:
-    response = client.get(path)
-    assert response.status_code == 200, response.text
-    return response.text
 
 
 def tick_labels(page: str) -> list[str]:
@@ -150,15 +145,6 @@ def test_ticks_are_chosen_for_the_span(span: timedelta, first_ticks: list[str]) 
 
 
 # --- in a real browser -----------------------------------------------------------------
-
-
-@pytest.fixture
-def page(browser: Browser, server_url: str) -> Iterator[Page]:
-    context = browser.new_context(base_url=server_url, viewport={"width": 1100, "height": 700})
-    try:
-        yield context.new_page()
-    finally:
-        context.close()
 
 
 def test_a_1_ms_step_in_a_3_day_run_is_drawn_at_least_3_pixels_wide(

@@ -6,7 +6,7 @@ import httpx
 import psycopg
 import pytest
 
-from tests.helpers import T1, T2, post, problem, step_path
+from tests.support.http import T1, T2, post, problem, step_path
 
 
 @pytest.fixture

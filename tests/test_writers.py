@@ -14,22 +14,14 @@ import httpx
 import psycopg
 import pytest
 
-from app.data.common import constraint_name
-from tests.helpers import (
-    Stream,
-    access_loaded,
-    attempts,
-    eventually,
-    has_citus,
-    logged_server,
-    migrated_database,
-    post,
-    record,
-    step_path,
-    steprecord,
-    wait_for,
-)
-from tests.test_schema import BASE, T1, T2, Conn, insert
+from tests.support.citus import has_citus
+from tests.support.databases import migrated_database
+from tests.support.http import T1, T2, attempts, post, record, step_path
+from tests.support.rows import BASE, Conn, insert, refused
+from tests.support.servers import logged_server, steprecord
+from tests.support.streams import Stream
+from tests.support.tokens import access_loaded
+from tests.support.waits import eventually, wait_for
 
 GUARD = "tr_workflow_step_record_transition"
 HISTORY_GUARD = "tr_workflow_step_attempt_guard"
@@ -217,24 +209,6 @@ def test_the_writer_in_the_json_of_every_read(as_: Callable[[str], httpx.Client]
 
 
 # --- raw SQL --------------------------------------------------------------------------------
-
-
-def refused(db: Conn, constraint: str, sql: str, params: Any = ()) -> None:
-    """`sql` is refused by `constraint`, named as the service names it (on Citus the worker's
-    refusal reaches the coordinator without the constraint's name in its fields)."""
-    with pytest.raises(psycopg.errors.IntegrityError) as caught, db.transaction():
-        db.execute(sql, params)
-    assert constraint_name(caught.value) == constraint
-
-
-@pytest.fixture
-def instance_id(db: Conn) -> int:
-    row = db.execute(
-        "INSERT INTO process_instance (id, instance_key)"
-        " VALUES (steprecord_instance_id('run-1'), 'run-1') RETURNING id"
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 def test_a_writer_is_a_name_of_the_names_alphabet(db: Conn, instance_id: int) -> None:

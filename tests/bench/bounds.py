@@ -43,7 +43,8 @@ if str(ROOT) not in sys.path:
 import httpx  # noqa: E402
 import psycopg  # noqa: E402
 
-from tests.helpers import create_database, drop_database, free_port, stop, wait_ready  # noqa: E402
+from tests.support.databases import create_database, drop_database  # noqa: E402
+from tests.support.servers import free_port, stop, wait_ready  # noqa: E402
 
 STEPS = 84
 BLOB = "x" * (1024 * 1024 - len('{"blob": ""}'))

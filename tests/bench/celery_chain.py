@@ -60,7 +60,7 @@ import redis
 from celery import Celery, bootsteps, chain, signals
 from kombu import Exchange, Queue
 
-from tests.bench import run
+from tests.bench import common, run
 
 BROKER: Final = os.environ.get("STEPRECORD_BENCH_BROKER", "amqp://guest:guest@127.0.0.1:5672//")
 REDIS: Final = os.environ.get("STEPRECORD_BENCH_REDIS", "redis://127.0.0.1:6379/9")
@@ -603,9 +603,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     client = redis.Redis.from_url(REDIS, socket_timeout=30)  # above BLPOP's timeout
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="steprecord-celery-")))
-        server = stack.enter_context(run.postgres_server(tmp))
+        server = stack.enter_context(common.postgres_server(tmp))
         dsn = stack.enter_context(
-            run.fresh_database(server, f"steprecord_bench_celery_{os.getpid()}")
+            common.fresh_database(server, f"steprecord_bench_celery_{os.getpid()}")
         )
         base = stack.enter_context(service(dsn, tmp / "service.log"))
         workers = {

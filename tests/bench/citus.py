@@ -6,7 +6,7 @@ Run from the repository root: `.venv-test/bin/python -m tests.bench.citus [--dur
 PostgreSQL here, wrk and pgbench.
 
 In one sitting it starts, in a temporary directory, a one-node PostgreSQL and a Citus cluster
-(a coordinator and two workers, `tests.helpers.citus_cluster`), all from the same PostgreSQL
+(a coordinator and two workers, `tests.support.citus.citus_cluster`), all from the same PostgreSQL
 binaries; makes a database on each (on the cluster, the extension in every node's database
 and the workers added, as an operator does) and migrates it with `steprecord migrate`, which
 distributes the schema on the cluster; starts `steprecord serve --workers 2` against each;
@@ -69,13 +69,9 @@ from app.distribution import SHARD_COUNT  # noqa: E402
 from app.embedded import EmbeddedPostgres  # noqa: E402
 from tests.bench import plans, run  # noqa: E402
 from tests.bench.run import Load  # noqa: E402
-from tests.helpers import (  # noqa: E402
-    citus_bin_path,
-    citus_cluster,
-    create_database,
-    free_port,
-    server_directory,
-)
+from tests.support.citus import citus_bin_path, citus_cluster  # noqa: E402
+from tests.support.databases import create_database, server_directory  # noqa: E402
+from tests.support.servers import free_port  # noqa: E402
 
 NAME = "steprecord_bench_citus"
 TICK = os.sysconf("SC_CLK_TCK")

@@ -28,7 +28,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.bench import run
+from tests.bench import common, run
 from tests.bench.run import Load
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -120,8 +120,8 @@ def main() -> int:
         parser.error("--loads takes single, batch and reads, comma-separated")
     with (
         tempfile.TemporaryDirectory(prefix="steprecord-bench-") as tmp_name,
-        run.postgres_server(Path(tmp_name)) as server,
-        run.fresh_database(server, run.DB_NAME) as dsn,
+        common.postgres_server(Path(tmp_name)) as server,
+        common.fresh_database(server, run.DB_NAME) as dsn,
         run.service(dsn, Path(tmp_name) / "service.log") as base,
         run.service(dsn, Path(tmp_name) / "floor.log", FLOOR) as floor_base,
     ):

@@ -43,7 +43,7 @@ from pathlib import Path
 import orjson
 import psycopg
 
-from tests.bench import run
+from tests.bench import common, run
 
 DB_NAME = "steprecord_bench_fanout"
 TICK = os.sysconf("SC_CLK_TCK")
@@ -722,8 +722,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = Report()
     with (
         tempfile.TemporaryDirectory(prefix="steprecord-bench-") as tmp_name,
-        run.postgres_server(Path(tmp_name)) as server,
-        run.fresh_database(server, DB_NAME) as dsn,
+        common.postgres_server(Path(tmp_name)) as server,
+        common.fresh_database(server, DB_NAME) as dsn,
     ):
         instances = [f"fan{i}" for i in range(1, args.instances + 1)]
         seed(dsn, instances, SEED_STEPS)

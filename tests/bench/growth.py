@@ -15,7 +15,7 @@ end, also on failure. `--no-cap` runs without them (where cgroups are not writab
 then share the machine's cores, and a cluster cannot pass one node.
 
 In one sitting, in a temporary directory: a one-node PostgreSQL and four clusters (a
-coordinator and 1 to 4 workers, `tests.helpers.citus_cluster`), all from the same binaries;
+coordinator and 1 to 4 workers, `tests.support.citus.citus_cluster`), all from the same binaries;
 a database on each, migrated with `steprecord migrate`, holding the read benchmark's table
 (`--instances` instances r1.., as tests/bench/plans.py loads it). Then each load, each side
 once briefly unmeasured and then in turn for `--rounds` rounds (the order turning each round):
@@ -64,12 +64,8 @@ from app.cli import migrate  # noqa: E402
 from tests.bench import citus, plans, run  # noqa: E402
 from tests.bench.citus import CALL, PICK, REPLAY_STEPS, Side  # noqa: E402
 from tests.bench.run import Load  # noqa: E402
-from tests.helpers import (  # noqa: E402
-    citus_bin_path,
-    citus_cluster,
-    create_database,
-    server_directory,
-)
+from tests.support.citus import citus_bin_path, citus_cluster  # noqa: E402
+from tests.support.databases import create_database, server_directory  # noqa: E402
 
 NAME = "steprecord_bench_growth"
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")

@@ -42,7 +42,8 @@ if str(ROOT) not in sys.path:
 
 import httpx  # noqa: E402
 
-from tests.helpers import create_database, drop_database, free_port, stop, wait_ready  # noqa: E402
+from tests.support.databases import create_database, drop_database  # noqa: E402
+from tests.support.servers import free_port, stop, wait_ready  # noqa: E402
 
 STEPS, ATTEMPTS = 1000, 50
 ENV = {"STEPRECORD_SWEEP_SECONDS": "0", "STEPRECORD_STATEMENT_TIMEOUT": "60"}

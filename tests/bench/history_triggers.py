@@ -34,7 +34,7 @@ from pathlib import Path
 import psycopg
 
 from app.sql import frozen_as_of, source
-from tests.bench import run, writers
+from tests.bench import common, run, writers
 
 HISTORY = "attempt_history.sql"
 JUDGE = ("judge_rules.sql", "apply_events.sql", "apply_event.sql", "heartbeat.sql", HISTORY)
@@ -85,8 +85,8 @@ def main() -> int:
     errors = 0
     with (
         tempfile.TemporaryDirectory() as tmp,
-        run.postgres_server(Path(tmp)) as server,
-        run.fresh_database(server, "steprecord_bench_history") as url,
+        common.postgres_server(Path(tmp)) as server,
+        common.fresh_database(server, "steprecord_bench_history") as url,
     ):
         scripts = {
             "single": (Path(tmp) / "single.sql", 2),

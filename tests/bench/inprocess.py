@@ -27,9 +27,9 @@ import orjson
 
 from app.config import Settings
 from app.main import create_app
-from tests.bench import run
+from tests.bench import common, run
 from tests.bench.decode import COMPLETE, START
-from tests.helpers import asgi_scope
+from tests.support.http import asgi_scope
 
 WARM_UP = 200
 
@@ -84,8 +84,8 @@ def main() -> int:
     profile = cProfile.Profile() if args.profile else None
     with (
         tempfile.TemporaryDirectory(prefix="steprecord-bench-") as tmp,
-        run.postgres_server(Path(tmp)) as server,
-        run.fresh_database(server, run.DB_NAME) as dsn,
+        common.postgres_server(Path(tmp)) as server,
+        common.fresh_database(server, run.DB_NAME) as dsn,
         open(os.devnull, "w") as devnull,
     ):
         stdout, sys.stdout = sys.stdout, devnull  # the access log lines

@@ -23,14 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,33 +36,9 @@ if str(ROOT) not in sys.path:
 
 import psycopg  # noqa: E402
 
-from app.cli import migrate  # noqa: E402
 from app.data.judge import APPLY_EVENT, APPLY_EVENTS  # noqa: E402
 from app.data.reads import PAGE_SUMMARIES, list_instances_query  # noqa: E402
-from app.embedded import EmbeddedPostgres  # noqa: E402
-from tests.helpers import create_database, drop_database  # noqa: E402
-
-
-@contextmanager
-def database() -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="steprecord-bench-labels-") as tmp:
-        server_dsn = os.environ.get("DATABASE_URL")
-        embedded = None
-        if not server_dsn:
-            embedded = EmbeddedPostgres(Path(tmp) / "pg")
-            server_dsn = embedded.start()
-        name = f"steprecord_bench_labels_{uuid.uuid4().hex[:8]}"
-        try:
-            url = create_database(server_dsn, name)
-            try:
-                migrate(url)
-                yield url
-            finally:
-                drop_database(server_dsn, name)
-        finally:
-            if embedded is not None:
-                embedded.stop()
-
+from tests.bench.common import scratch_database  # noqa: E402
 
 LOAD = """
 TRUNCATE process_instance CASCADE;
@@ -217,7 +189,7 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=2000, help="events per write round")
     parser.add_argument("--write-rounds", type=int, default=5, help="0: measure reads only")
     args = parser.parse_args()
-    with database() as url:
+    with scratch_database("labels") as url:
         with psycopg.connect(url) as conn:
             version = conn.execute("SELECT version()").fetchone()
         print(f"postgresql: {version[0] if version else '?'}")

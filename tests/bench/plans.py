@@ -30,12 +30,8 @@ import psycopg  # noqa: E402
 
 from app.cli import migrate  # noqa: E402
 from app.data import dashboard, reads, stats  # noqa: E402
-from tests.helpers import (  # noqa: E402
-    citus_bin_path,
-    citus_cluster,
-    create_database,
-    server_directory,
-)
+from tests.support.citus import citus_bin_path, citus_cluster  # noqa: E402
+from tests.support.databases import create_database, server_directory  # noqa: E402
 
 # The read benchmark's table (see load_reads.sql), its rows made on the coordinator from the
 # keys alone (Citus reads no distributed table to write another here).

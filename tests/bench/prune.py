@@ -40,7 +40,7 @@ from pathlib import Path
 import psycopg
 
 from app import pruning
-from tests.bench import run
+from tests.bench import common, run
 
 PREFIX = "p"
 CONNECTIONS = 16
@@ -377,9 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, terminate)
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="steprecord-prune-")))
-        server = stack.enter_context(run.postgres_server(tmp))
+        server = stack.enter_context(common.postgres_server(tmp))
         dsn = stack.enter_context(
-            run.fresh_database(server, f"steprecord_bench_prune_{os.getpid()}")
+            common.fresh_database(server, f"steprecord_bench_prune_{os.getpid()}")
         )
         header = run.machine(dsn)
         say("\n".join(header))

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.bench import run
+from tests.bench import common, run
 
 CHECKS = "steprecord_readiness_checks_total"
 
@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds: dict[str, list[Round]] = {name: [] for name in trees}
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        server = stack.enter_context(run.postgres_server(tmp))
-        dsn = stack.enter_context(run.fresh_database(server, "steprecord_bench_readyz"))
+        server = stack.enter_context(common.postgres_server(tmp))
+        dsn = stack.enter_context(common.fresh_database(server, "steprecord_bench_readyz"))
         for _ in range(args.rounds):
             for name, env in trees.items():
                 with run.service(dsn, tmp / f"{name}.log", env=env) as url:

@@ -40,7 +40,7 @@ from tests.bench.run import (
     service,
     wrk,
 )
-from tests.helpers import make_replica
+from tests.support.databases import make_replica
 
 
 @contextmanager

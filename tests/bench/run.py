@@ -39,14 +39,12 @@ if str(ROOT) not in sys.path:  # also runnable as `python tests/bench/run.py`
     sys.path.insert(0, str(ROOT))
 
 import psycopg  # noqa: E402
-from psycopg.conninfo import make_conninfo  # noqa: E402
 
 from app.access import ANONYMOUS, new_token  # noqa: E402
-from app.cli import migrate  # noqa: E402
 from app.data import judge  # noqa: E402
 from app.data.reads import LIST_PAGE, PAGE_READ_BYTES  # noqa: E402
-from app.embedded import EmbeddedPostgres  # noqa: E402
 from tests.bench import queries  # noqa: E402
+from tests.bench.common import fresh_database, postgres_server  # noqa: E402
 
 DB_NAME = "steprecord_bench"
 WORKERS = 2
@@ -122,41 +120,6 @@ def median_of(loads: Sequence[Load]) -> Load:
 
 
 # --- the database and the service ------------------------------------------------------------
-
-
-@contextmanager
-def postgres_server(tmp: Path) -> Iterator[str]:
-    """The server named by DATABASE_URL, or an embedded PostgreSQL started for the run."""
-    url = os.environ.get("DATABASE_URL")
-    if url:
-        yield url
-        return
-    embedded = EmbeddedPostgres(tmp / "postgres")
-    print("starting an embedded PostgreSQL", file=sys.stderr)
-    try:
-        yield embedded.start()
-    finally:
-        embedded.stop()
-
-
-@contextmanager
-def fresh_database(server: str, name: str, like: str | None = None) -> Iterator[str]:
-    """A new, migrated database on the server, dropped at the end; with `like`, a copy of that
-    freshly migrated database (no session may be connected to it), which is quicker."""
-    with psycopg.connect(server, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {name}" + (f" TEMPLATE {like}" if like else ""))
-    try:
-        dsn = make_conninfo(server, dbname=name)
-        if like is None:
-            migrate(dsn)
-        yield dsn
-    finally:
-        try:
-            with psycopg.connect(server, autocommit=True) as conn:
-                conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        except psycopg.Error as exc:
-            print(f"warning: could not drop {name}: {exc}", file=sys.stderr)
 
 
 def free_port() -> int:

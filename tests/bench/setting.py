@@ -26,7 +26,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
-from tests.bench import run
+from tests.bench import common, run
 
 CONNECTIONS = 16
 SIDES = ("as is", "with")
@@ -74,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     errors: list[str] = []
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="steprecord-set-")))
-        server = stack.enter_context(run.postgres_server(tmp))
+        server = stack.enter_context(common.postgres_server(tmp))
         pid = os.getpid()
         dsns = {
-            side: stack.enter_context(run.fresh_database(server, f"steprecord_bench_s{i}_{pid}"))
+            side: stack.enter_context(common.fresh_database(server, f"steprecord_bench_s{i}_{pid}"))
             for i, side in enumerate(SIDES)
         }
         header = run.machine(dsns["as is"])

@@ -41,8 +41,8 @@ if str(ROOT) not in sys.path:
 import httpx  # noqa: E402
 import psycopg  # noqa: E402
 
-from tests.bench.ui import database  # noqa: E402
-from tests.helpers import start_server, steprecord, stop  # noqa: E402
+from tests.bench.common import scratch_database  # noqa: E402
+from tests.support.servers import start_server, steprecord, stop  # noqa: E402
 
 FLOOD = 40
 BATCH = 200
@@ -168,7 +168,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
-    with database() as url:
+    with scratch_database("share") as url:
         calm_token = token(url, "calm")
         flooders = [token(url, "flood"), token(url, "flood-2")]
         tenant = [token(url, "acme-a", TENANT), token(url, "acme-b", TENANT)]

@@ -15,14 +15,9 @@ worst of `--rounds` timed runs after a warm-up, with the attempts in the window.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -33,10 +28,8 @@ if str(ROOT) not in sys.path:
 
 import psycopg  # noqa: E402
 
-from app.cli import migrate  # noqa: E402
 from app.data.stats import step_stats_query  # noqa: E402
-from app.embedded import EmbeddedPostgres  # noqa: E402
-from tests.helpers import create_database, drop_database  # noqa: E402
+from tests.bench.common import scratch_database  # noqa: E402
 
 WINDOWS = {
     "1 h": timedelta(hours=1),
@@ -45,27 +38,6 @@ WINDOWS = {
     "30 d": timedelta(days=30),
 }
 SPREAD = timedelta(days=90)
-
-
-@contextmanager
-def database() -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="steprecord-bench-stats-") as tmp:
-        server_dsn = os.environ.get("DATABASE_URL")
-        embedded = None
-        if not server_dsn:
-            embedded = EmbeddedPostgres(Path(tmp) / "pg")
-            server_dsn = embedded.start()
-        name = f"steprecord_bench_stats_{uuid.uuid4().hex[:8]}"
-        try:
-            url = create_database(server_dsn, name)
-            try:
-                migrate(url)
-                yield url
-            finally:
-                drop_database(server_dsn, name)
-        finally:
-            if embedded is not None:
-                embedded.stop()
 
 
 LOAD = """
@@ -153,7 +125,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     now = datetime.now(UTC)
-    with database() as url:
+    with scratch_database("stats") as url:
         load(url, args.attempts, now)
         results = measure(url, now, args.rounds)
     print("\nwindow   attempts   median     worst   per 1,000 attempts")

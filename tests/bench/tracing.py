@@ -43,8 +43,9 @@ from pathlib import Path
 
 import psycopg
 
-from tests.bench import run
-from tests.helpers import OtlpReceiver, create_database, drop_database, otlp_receiver
+from tests.bench import common, run
+from tests.support.databases import create_database, drop_database
+from tests.support.tracing import OtlpReceiver, otlp_receiver
 
 CONNECTIONS = 16
 VARIANTS = ("base", "off", "export")
@@ -218,11 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="steprecord-trace-")))
         tree, commit = stack.enter_context(worktree(args.base, tmp / "base"))
-        server = stack.enter_context(run.postgres_server(tmp))
+        server = stack.enter_context(common.postgres_server(tmp))
         dsns = {
             "base": stack.enter_context(empty_database(server, f"steprecord_bench_tb_{pid}")),
-            "off": stack.enter_context(run.fresh_database(server, f"steprecord_bench_to_{pid}")),
-            "export": stack.enter_context(run.fresh_database(server, f"steprecord_bench_te_{pid}")),
+            "off": stack.enter_context(common.fresh_database(server, f"steprecord_bench_to_{pid}")),
+            "export": stack.enter_context(
+                common.fresh_database(server, f"steprecord_bench_te_{pid}")
+            ),
         }
         header = run.machine(dsns["off"])
         say("\n".join(header))

@@ -17,15 +17,10 @@ the batch endpoint (a tenth of them retried, some still running), then measures:
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -36,15 +31,9 @@ if str(ROOT) not in sys.path:
 
 import httpx  # noqa: E402
 
-from app.cli import migrate  # noqa: E402
-from app.embedded import EmbeddedPostgres  # noqa: E402
-from tests.helpers import (  # noqa: E402
-    chromium_browser,
-    create_database,
-    drop_database,
-    start_server,
-    stop,
-)
+from tests.bench.common import scratch_database  # noqa: E402
+from tests.support.browser import chromium_browser  # noqa: E402
+from tests.support.servers import start_server, stop  # noqa: E402
 
 STEPS = 1000
 KEY = "bench-1000"
@@ -52,25 +41,6 @@ KEY = "bench-1000"
 
 def stamp(value: datetime) -> str:
     return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
-
-
-@contextmanager
-def database() -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="steprecord-bench-ui-") as tmp:
-        server_dsn = os.environ.get("DATABASE_URL")
-        embedded = None
-        if not server_dsn:
-            embedded = EmbeddedPostgres(Path(tmp) / "pg")
-            server_dsn = embedded.start()
-        name = "steprecord_bench_ui_" + uuid.uuid4().hex[:6]
-        try:
-            url = create_database(server_dsn, name)
-            migrate(url)
-            yield url
-        finally:
-            drop_database(server_dsn, name)
-            if embedded is not None:
-                embedded.stop()
 
 
 def send(client: httpx.Client, events: list[dict[str, Any]]) -> None:
@@ -181,7 +151,7 @@ def main() -> None:
     args = parser.parse_args()
     if shutil.which("chromium") is None:
         sys.exit("needs Debian's chromium: apt-get install chromium")
-    with database() as url:
+    with scratch_database("ui") as url:
         base, proc = start_server(url, env={"STEPRECORD_SWEEP_SECONDS": "0"})
         try:
             with httpx.Client(base_url=base, timeout=60) as client:
