@@ -644,9 +644,9 @@ def test_a_task_process_killed_with_kill_9_ends_failed_within_its_lease(
 
 
 def processes_of(home: Path) -> list[int]:
-    """The processes whose environment names this Airflow home: every one of a standalone
-    Airflow (scheduler, its LocalExecutor workers and their task processes, the API server,
-    the dag processor, the triggerer), whatever process group they took."""
+    """The processes whose environment names this Airflow home, whatever process group they
+    took (not those that rewrote their title with setproctitle: that overwrites the
+    environment /proc shows, as the API server and LocalExecutor's workers do)."""
     marker = f"AIRFLOW_HOME={home}".encode()
     found = []
     for entry in Path("/proc").iterdir():
@@ -658,11 +658,37 @@ def processes_of(home: Path) -> list[int]:
     return found
 
 
+def descendants(root: int) -> set[int]:
+    """Every process below `root` now: its children, theirs, and so on."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            if entry.name.isdigit():
+                # After the command's closing parenthesis: state, then the parent's pid.
+                parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+                children.setdefault(parent, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def standalone(venv: Path, home: Path, url: str, state: Path) -> Iterator[str]:
     """`airflow standalone` with the LocalExecutor on loopback (its API server on a free
     port, everyone admin, no example dags), yielding the API's base URL; every process it
-    started is stopped on the way out."""
+    started is killed on the way out."""
     port = free_port()
     env = airflow_env(
         home,
@@ -675,12 +701,14 @@ def standalone(venv: Path, home: Path, url: str, state: Path) -> Iterator[str]:
         # "finished while queued" and Airflow's database kept no trace of it).
         AIRFLOW__CORE__PARALLELISM="2",
         AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT="60",
-        AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION="False",
         AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS="True",
         AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"http://127.0.0.1:{port}/execution/",
         AIRFLOW__API__HOST="127.0.0.1",
         AIRFLOW__API__PORT=str(port),
         AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL="2",
+        # Each dag file parsed once (at the start): a parse is a process of its own, and one
+        # every 30 s (the default) only takes CPU from the run on a busy machine.
+        AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL="600",
         AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC="1",
         AIRFLOW__STEPRECORD__LEASE_SECONDS="10",
         AIRFLOW__STEPRECORD__CLOSE_AFTER_SECONDS="2",
@@ -696,15 +724,21 @@ def standalone(venv: Path, home: Path, url: str, state: Path) -> Iterator[str]:
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
+        # Killed at once, not stopped: nothing is left to read from it. Its components share
+        # its process group; a task process takes a group of its own, so it is found below
+        # the standalone before its parents die (then by the Airflow home, if it shows it).
+        doomed = descendants(proc.pid)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(20)
-        for pid in [proc.pid, *processes_of(home)]:
+            os.killpg(proc.pid, signal.SIGKILL)
+        doomed |= set(processes_of(home))
+        for pid in doomed:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.wait(30)
-        wait_for("every standalone process gone", lambda: not processes_of(home) or None)
+        wait_for(
+            "every standalone process gone",
+            lambda: not (any(alive(pid) for pid in doomed) or processes_of(home)) or None,
+        )
         log.close()
 
 
@@ -715,6 +749,11 @@ def test_airflow_standalone_with_local_executor_records_every_try_and_a_killed_o
     workers; the scheduler reports the dag run's end. A task process killed with `kill -9`
     (no hook) ends failed within its lease (10 s here): by the lease, or by the dag run's
     end, whichever comes first.
+
+    The deadlines are for two busy cores (CI runs this beside the whole suite on a Citus
+    cluster): there, standalone's five interpreters took about a minute to start, and the
+    run about 40 s from its trigger to its end (a sensor's second poke comes 15 s after its
+    first).
 
     Opt-in (`STEPRECORD_TEST_AIRFLOW_STANDALONE=1`): standalone takes about 2 GB and from one to
     three minutes on two busy cores, more than CI's budget for the Airflow tests; the same
@@ -732,17 +771,24 @@ def test_airflow_standalone_with_local_executor_records_every_try_and_a_killed_o
                 return airflow.get("/api/v2/dags/standalone_run").status_code == 200 or None
             return None
 
-        wait_for("the dag parsed by standalone", parsed, seconds=150)
+        # The API server starts last; polled twice a second, not to take its CPU.
+        wait_for("the dag parsed by standalone", parsed, seconds=150, interval=0.5)
+        # The dag.test() runs above wrote every dag of the folder to this database, paused
+        # (`dags_are_paused_at_creation` at its default): a paused dag's run never starts.
+        unpaused = airflow.patch("/api/v2/dags/standalone_run", json={"is_paused": False})
+        assert unpaused.status_code == 200, unpaused.text
         run = airflow.post("/api/v2/dags/standalone_run/dagRuns", json={"logical_date": None})
         assert run.status_code == 200, run.text
         run_id = run.json()["dag_run_id"]
         key = f"standalone_run:{run_id}"
         pid_file = tmp_path / "pid"
+        # The sleeper goes first (its priority), but the first try waits for the execution
+        # API's first answer: 20 s on busy cores.
         pid = int(
             wait_for(
                 "the sleeper's pid",
                 lambda: pid_file.read_text() if pid_file.exists() else None,
-                seconds=120,
+                seconds=90,
             )
         )
 
@@ -751,17 +797,17 @@ def test_airflow_standalone_with_local_executor_records_every_try_and_a_killed_o
             body: dict[str, Any] = response.json()
             return body if response.status_code == 200 and body["status"] == status else None
 
-        wait_for("the sleeper recorded running", lambda: sleeper("running"), seconds=60)
+        wait_for("the sleeper recorded running", lambda: sleeper("running"), 60, interval=0.2)
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
-        final = wait_for("the killed try failed", lambda: sleeper("failed"), seconds=30)
+        final = wait_for("the killed try failed", lambda: sleeper("failed"), 30, interval=0.2)
         took = time.monotonic() - killed
 
         def finished() -> str | None:
             body = airflow.get(f"/api/v2/dags/standalone_run/dagRuns/{run_id}").json()
             return body["state"] if body["state"] in ("success", "failed") else None
 
-        assert wait_for("the dag run's end", finished, seconds=120) == "failed"
+        assert wait_for("the dag run's end", finished, seconds=90, interval=1) == "failed"
         _, tries = airflow_tries(airflow_home, "standalone_run")
         expected = {
             slug: [(number, AS_RECORDED[state]) for number, state in found]
