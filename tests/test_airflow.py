@@ -8,8 +8,9 @@ Two parts:
 - A real Airflow 3.3 from PyPI, in a virtualenv of its own (it brings SQLAlchemy 2.1):
   `tests/airflow_dags/recorded.py` run with `dag.test()` against a service this module
   starts, then what the record says compared with what Airflow's own database says, try by
-  try; and a task process killed with `kill -9` ending failed within its lease. The
-  virtualenv is `$STEPRECORD_TEST_AIRFLOW_VENV`, else `.venv-airflow` in the repository
+  try; and a task process killed with `kill -9` ending failed within its lease. Then the
+  same in `airflow standalone` with the LocalExecutor (`tests/airflow_dags/standalone_run.py`).
+  The virtualenv is `$STEPRECORD_TEST_AIRFLOW_VENV`, else `.venv-airflow` in the repository
   (`.ci/run` makes it), else made here (about two minutes); when it cannot be made these
   tests are skipped (and fail with `CI=true`).
 
@@ -752,14 +753,8 @@ def test_airflow_standalone_with_local_executor_records_every_try_and_a_killed_o
 
     The deadlines are for two busy cores (CI runs this beside the whole suite on a Citus
     cluster): there, standalone's five interpreters took about a minute to start, and the
-    run about 40 s from its trigger to its end (a sensor's second poke comes 15 s after its
-    first).
-
-    Opt-in (`STEPRECORD_TEST_AIRFLOW_STANDALONE=1`): standalone takes about 2 GB and from one to
-    three minutes on two busy cores, more than CI's budget for the Airflow tests; the same
-    plugin code runs in `dag.test()` above, in CI."""
-    if os.environ.get("STEPRECORD_TEST_AIRFLOW_STANDALONE") != "1":
-        pytest.skip("airflow standalone is opt-in: STEPRECORD_TEST_AIRFLOW_STANDALONE=1")
+    run 30 to 40 s from its trigger to its end (a sensor's second poke comes 15 s after its
+    first)."""
     with (
         standalone(airflow_venv, airflow_home, service, tmp_path) as api,
         httpx.Client(base_url=api, timeout=30) as airflow,
