@@ -766,7 +766,8 @@ def test_airflow_standalone_with_local_executor_records_every_try_and_a_killed_o
                 return airflow.get("/api/v2/dags/standalone_run").status_code == 200 or None
             return None
 
-        # The API server starts last; polled twice a second, not to take its CPU.
+        # The API server starts last (58 s at load average 7); polled twice a second, not to
+        # take its CPU.
         wait_for("the dag parsed by standalone", parsed, seconds=150, interval=0.5)
         # The dag.test() runs above wrote every dag of the folder to this database, paused
         # (`dags_are_paused_at_creation` at its default): a paused dag's run never starts.
@@ -777,8 +778,8 @@ def test_airflow_standalone_with_local_executor_records_every_try_and_a_killed_o
         run_id = run.json()["dag_run_id"]
         key = f"standalone_run:{run_id}"
         pid_file = tmp_path / "pid"
-        # The sleeper goes first (its priority), but the first try waits for the execution
-        # API's first answer: 20 s on busy cores.
+        # The sleeper goes first (its priority), but the first tries wait for the execution
+        # API's first answer: up to 20 s on busy cores.
         pid = int(
             wait_for(
                 "the sleeper's pid",
@@ -792,17 +793,20 @@ def test_airflow_standalone_with_local_executor_records_every_try_and_a_killed_o
             body: dict[str, Any] = response.json()
             return body if response.status_code == 200 and body["status"] == status else None
 
-        wait_for("the sleeper recorded running", lambda: sleeper("running"), 60, interval=0.2)
+        # The try's start report, sent by the task process: 5 s at most, seen so far.
+        wait_for("the sleeper recorded running", lambda: sleeper("running"), 30, interval=0.2)
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
-        final = wait_for("the killed try failed", lambda: sleeper("failed"), 30, interval=0.2)
+        # Its lease (10 s) and the service's sweep; checked more closely below.
+        final = wait_for("the killed try failed", lambda: sleeper("failed"), 20, interval=0.2)
         took = time.monotonic() - killed
 
         def finished() -> str | None:
             body = airflow.get(f"/api/v2/dags/standalone_run/dagRuns/{run_id}").json()
             return body["state"] if body["state"] in ("success", "failed") else None
 
-        assert wait_for("the dag run's end", finished, seconds=90, interval=1) == "failed"
+        # The sensor's second poke, 15 s after its first, then the scheduler's next loops.
+        assert wait_for("the dag run's end", finished, seconds=60, interval=1) == "failed"
         _, tries = airflow_tries(airflow_home, "standalone_run")
         expected = {
             slug: [(number, AS_RECORDED[state]) for number, state in found]
