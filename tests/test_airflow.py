@@ -14,7 +14,7 @@ Two parts:
   (`.ci/run` makes it), else made here (about two minutes); when it cannot be made these
   tests are skipped (and fail with `CI=true`).
 
-Every process a test starts is stopped by it.
+Every process a test or a fixture starts is stopped by it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote
 
 import httpx
@@ -511,9 +511,14 @@ AS_RECORDED["up_for_retry"] = "failed"
 
 @pytest.fixture(scope="module")
 def recorded_run(
-    airflow_venv: Path, airflow_home: Path, service: str, tmp_path_factory: pytest.TempPathFactory
+    airflow_venv: Path,
+    standalone_airflow: Standalone,
+    airflow_home: Path,
+    service: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[str, dict[str, list[tuple[int, str]]]]:
-    """`recorded.py` run once with `dag.test()`; its run id and Airflow's tries."""
+    """`recorded.py` run once with `dag.test()`; its run id and Airflow's tries. (It asks for
+    the standalone Airflow first, only to start it: see `standalone_airflow`.)"""
     state = tmp_path_factory.mktemp("recorded")
     with dag_process(airflow_venv, airflow_home, service, "recorded.py", state) as proc:
         try:
@@ -743,8 +748,28 @@ def standalone(venv: Path, home: Path, url: str, state: Path) -> Iterator[str]:
         log.close()
 
 
+class Standalone(NamedTuple):
+    api: str
+    home: Path
+    state: Path
+
+
+@pytest.fixture(scope="module")
+def standalone_airflow(
+    airflow_venv: Path, service: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Standalone]:
+    """`airflow standalone` in an Airflow home of its own (it migrates its database itself),
+    started and not waited for. The dag.test() tests ask for it first, so that its starting
+    (about a minute on busy cores, CPU for five interpreters) goes on beside theirs instead of
+    after them."""
+    home = tmp_path_factory.mktemp("standalone-home")
+    state = tmp_path_factory.mktemp("standalone")
+    with standalone(airflow_venv, home, service, state) as api:
+        yield Standalone(api, home, state)
+
+
 def test_airflow_standalone_with_local_executor_records_every_try_and_a_killed_one_ends_failed(
-    airflow_venv: Path, airflow_home: Path, service: str, tmp_path: Path
+    standalone_airflow: Standalone, service: str
 ) -> None:
     """Production's shape: each try in a task process of its own, forked by LocalExecutor's
     workers; the scheduler reports the dag run's end. A task process killed with `kill -9`
@@ -752,11 +777,11 @@ def test_airflow_standalone_with_local_executor_records_every_try_and_a_killed_o
     end, whichever comes first.
 
     The deadlines are for two busy cores (CI runs this beside the whole suite on a Citus
-    cluster): there, standalone's five interpreters took about a minute to start, and the
-    run 30 to 40 s from its trigger to its end (a sensor's second poke comes 15 s after its
-    first)."""
+    cluster): there, standalone's five interpreters took about a minute to start (beside the
+    dag.test() tests, see `standalone_airflow`), and the run 30 to 40 s from its trigger to
+    its end (a sensor's second poke comes 15 s after its first)."""
+    api, home, state = standalone_airflow
     with (
-        standalone(airflow_venv, airflow_home, service, tmp_path) as api,
         httpx.Client(base_url=api, timeout=30) as airflow,
         httpx.Client(base_url=service, timeout=30) as client,
     ):
@@ -769,15 +794,14 @@ def test_airflow_standalone_with_local_executor_records_every_try_and_a_killed_o
         # The API server starts last (58 s at load average 7); polled twice a second, not to
         # take its CPU.
         wait_for("the dag parsed by standalone", parsed, seconds=150, interval=0.5)
-        # The dag.test() runs above wrote every dag of the folder to this database, paused
-        # (`dags_are_paused_at_creation` at its default): a paused dag's run never starts.
+        # A dag is paused at creation (`dags_are_paused_at_creation`): its runs never start.
         unpaused = airflow.patch("/api/v2/dags/standalone_run", json={"is_paused": False})
         assert unpaused.status_code == 200, unpaused.text
         run = airflow.post("/api/v2/dags/standalone_run/dagRuns", json={"logical_date": None})
         assert run.status_code == 200, run.text
         run_id = run.json()["dag_run_id"]
         key = f"standalone_run:{run_id}"
-        pid_file = tmp_path / "pid"
+        pid_file = state / "pid"
         # The sleeper goes first (its priority), but the first tries wait for the execution
         # API's first answer: up to 20 s on busy cores.
         pid = int(
@@ -807,7 +831,7 @@ def test_airflow_standalone_with_local_executor_records_every_try_and_a_killed_o
 
         # The sensor's second poke, 15 s after its first, then the scheduler's next loops.
         assert wait_for("the dag run's end", finished, seconds=60, interval=1) == "failed"
-        _, tries = airflow_tries(airflow_home, "standalone_run")
+        _, tries = airflow_tries(home, "standalone_run")
         expected = {
             slug: [(number, AS_RECORDED[state]) for number, state in found]
             for slug, found in tries.items()
