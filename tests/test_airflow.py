@@ -8,12 +8,13 @@ Two parts:
 - A real Airflow 3.3 from PyPI, in a virtualenv of its own (it brings SQLAlchemy 2.1):
   `tests/airflow_dags/recorded.py` run with `dag.test()` against a service this module
   starts, then what the record says compared with what Airflow's own database says, try by
-  try; and a task process killed with `kill -9` ending failed within its lease. The
-  virtualenv is `$STEPRECORD_TEST_AIRFLOW_VENV`, else `.venv-airflow` in the repository
+  try; and a task process killed with `kill -9` ending failed within its lease. Then the
+  same in `airflow standalone` with the LocalExecutor (`tests/airflow_dags/standalone_run.py`).
+  The virtualenv is `$STEPRECORD_TEST_AIRFLOW_VENV`, else `.venv-airflow` in the repository
   (`.ci/run` makes it), else made here (about two minutes); when it cannot be made these
   tests are skipped (and fail with `CI=true`).
 
-Every process a test starts is stopped by it.
+Every process a test or a fixture starts is stopped by it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote
 
 import httpx
@@ -511,9 +512,14 @@ AS_RECORDED["up_for_retry"] = "failed"
 
 @pytest.fixture(scope="module")
 def recorded_run(
-    airflow_venv: Path, airflow_home: Path, service: str, tmp_path_factory: pytest.TempPathFactory
+    airflow_venv: Path,
+    standalone_airflow: Standalone,
+    airflow_home: Path,
+    service: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[str, dict[str, list[tuple[int, str]]]]:
-    """`recorded.py` run once with `dag.test()`; its run id and Airflow's tries."""
+    """`recorded.py` run once with `dag.test()`; its run id and Airflow's tries. (It asks for
+    the standalone Airflow first, only to start it: see `standalone_airflow`.)"""
     state = tmp_path_factory.mktemp("recorded")
     with dag_process(airflow_venv, airflow_home, service, "recorded.py", state) as proc:
         try:
@@ -645,9 +651,9 @@ def test_a_task_process_killed_with_kill_9_ends_failed_within_its_lease(
 
 
 def processes_of(home: Path) -> list[int]:
-    """The processes whose environment names this Airflow home: every one of a standalone
-    Airflow (scheduler, its LocalExecutor workers and their task processes, the API server,
-    the dag processor, the triggerer), whatever process group they took."""
+    """The processes whose environment names this Airflow home, whatever process group they
+    took (not those that rewrote their title with setproctitle: that overwrites the
+    environment /proc shows, as the API server and LocalExecutor's workers do)."""
     marker = f"AIRFLOW_HOME={home}".encode()
     found = []
     for entry in Path("/proc").iterdir():
@@ -659,11 +665,37 @@ def processes_of(home: Path) -> list[int]:
     return found
 
 
+def descendants(root: int) -> set[int]:
+    """Every process below `root` now: its children, theirs, and so on."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            if entry.name.isdigit():
+                # After the command's closing parenthesis: state, then the parent's pid.
+                parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+                children.setdefault(parent, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def standalone(venv: Path, home: Path, url: str, state: Path) -> Iterator[str]:
     """`airflow standalone` with the LocalExecutor on loopback (its API server on a free
     port, everyone admin, no example dags), yielding the API's base URL; every process it
-    started is stopped on the way out."""
+    started is killed on the way out."""
     port = free_port()
     env = airflow_env(
         home,
@@ -676,12 +708,14 @@ def standalone(venv: Path, home: Path, url: str, state: Path) -> Iterator[str]:
         # "finished while queued" and Airflow's database kept no trace of it).
         AIRFLOW__CORE__PARALLELISM="2",
         AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT="60",
-        AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION="False",
         AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS="True",
         AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"http://127.0.0.1:{port}/execution/",
         AIRFLOW__API__HOST="127.0.0.1",
         AIRFLOW__API__PORT=str(port),
         AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL="2",
+        # Each dag file parsed once (at the start): a parse is a process of its own, and one
+        # every 30 s (the default) only takes CPU from the run on a busy machine.
+        AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL="600",
         AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC="1",
         AIRFLOW__STEPRECORD__LEASE_SECONDS="10",
         AIRFLOW__STEPRECORD__CLOSE_AFTER_SECONDS="2",
@@ -697,33 +731,58 @@ def standalone(venv: Path, home: Path, url: str, state: Path) -> Iterator[str]:
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
+        # Killed at once, not stopped: nothing is left to read from it. Its components share
+        # its process group; a task process takes a group of its own, so it is found below
+        # the standalone before its parents die (then by the Airflow home, if it shows it).
+        doomed = descendants(proc.pid)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(20)
-        for pid in [proc.pid, *processes_of(home)]:
+            os.killpg(proc.pid, signal.SIGKILL)
+        doomed |= set(processes_of(home))
+        for pid in doomed:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.wait(30)
-        wait_for("every standalone process gone", lambda: not processes_of(home) or None)
+        wait_for(
+            "every standalone process gone",
+            lambda: not (any(alive(pid) for pid in doomed) or processes_of(home)) or None,
+        )
         log.close()
 
 
+class Standalone(NamedTuple):
+    api: str
+    home: Path
+    state: Path
+
+
+@pytest.fixture(scope="module")
+def standalone_airflow(
+    airflow_venv: Path, service: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Standalone]:
+    """`airflow standalone` in an Airflow home of its own (it migrates its database itself),
+    started and not waited for. The dag.test() tests ask for it first, so that its starting
+    (about a minute on busy cores, CPU for five interpreters) goes on beside theirs instead of
+    after them."""
+    home = tmp_path_factory.mktemp("standalone-home")
+    state = tmp_path_factory.mktemp("standalone")
+    with standalone(airflow_venv, home, service, state) as api:
+        yield Standalone(api, home, state)
+
+
 def test_airflow_standalone_with_local_executor_records_every_try_and_a_killed_one_ends_failed(
-    airflow_venv: Path, airflow_home: Path, service: str, tmp_path: Path
+    standalone_airflow: Standalone, service: str
 ) -> None:
     """Production's shape: each try in a task process of its own, forked by LocalExecutor's
     workers; the scheduler reports the dag run's end. A task process killed with `kill -9`
     (no hook) ends failed within its lease (10 s here): by the lease, or by the dag run's
     end, whichever comes first.
 
-    Opt-in (`STEPRECORD_TEST_AIRFLOW_STANDALONE=1`): standalone takes about 2 GB and from one to
-    three minutes on two busy cores, more than CI's budget for the Airflow tests; the same
-    plugin code runs in `dag.test()` above, in CI."""
-    if os.environ.get("STEPRECORD_TEST_AIRFLOW_STANDALONE") != "1":
-        pytest.skip("airflow standalone is opt-in: STEPRECORD_TEST_AIRFLOW_STANDALONE=1")
+    The deadlines are for two busy cores (CI runs this beside the whole suite on a Citus
+    cluster): there, standalone's five interpreters took about a minute to start (beside the
+    dag.test() tests, see `standalone_airflow`), and the run 30 to 40 s from its trigger to
+    its end (a sensor's second poke comes 15 s after its first)."""
+    api, home, state = standalone_airflow
     with (
-        standalone(airflow_venv, airflow_home, service, tmp_path) as api,
         httpx.Client(base_url=api, timeout=30) as airflow,
         httpx.Client(base_url=service, timeout=30) as client,
     ):
@@ -733,17 +792,24 @@ def test_airflow_standalone_with_local_executor_records_every_try_and_a_killed_o
                 return airflow.get("/api/v2/dags/standalone_run").status_code == 200 or None
             return None
 
-        wait_for("the dag parsed by standalone", parsed, seconds=150)
+        # The API server starts last (58 s at load average 7); polled twice a second, not to
+        # take its CPU.
+        wait_for("the dag parsed by standalone", parsed, seconds=150, interval=0.5)
+        # A dag is paused at creation (`dags_are_paused_at_creation`): its runs never start.
+        unpaused = airflow.patch("/api/v2/dags/standalone_run", json={"is_paused": False})
+        assert unpaused.status_code == 200, unpaused.text
         run = airflow.post("/api/v2/dags/standalone_run/dagRuns", json={"logical_date": None})
         assert run.status_code == 200, run.text
         run_id = run.json()["dag_run_id"]
         key = f"standalone_run:{run_id}"
-        pid_file = tmp_path / "pid"
+        pid_file = state / "pid"
+        # The sleeper goes first (its priority), but the first tries wait for the execution
+        # API's first answer: up to 20 s on busy cores.
         pid = int(
             wait_for(
                 "the sleeper's pid",
                 lambda: pid_file.read_text() if pid_file.exists() else None,
-                seconds=120,
+                seconds=90,
             )
         )
 
@@ -752,18 +818,21 @@ def test_airflow_standalone_with_local_executor_records_every_try_and_a_killed_o
             body: dict[str, Any] = response.json()
             return body if response.status_code == 200 and body["status"] == status else None
 
-        wait_for("the sleeper recorded running", lambda: sleeper("running"), seconds=60)
+        # The try's start report, sent by the task process: 5 s at most, seen so far.
+        wait_for("the sleeper recorded running", lambda: sleeper("running"), 30, interval=0.2)
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
-        final = wait_for("the killed try failed", lambda: sleeper("failed"), seconds=30)
+        # Its lease (10 s) and the service's sweep; checked more closely below.
+        final = wait_for("the killed try failed", lambda: sleeper("failed"), 20, interval=0.2)
         took = time.monotonic() - killed
 
         def finished() -> str | None:
             body = airflow.get(f"/api/v2/dags/standalone_run/dagRuns/{run_id}").json()
             return body["state"] if body["state"] in ("success", "failed") else None
 
-        assert wait_for("the dag run's end", finished, seconds=120) == "failed"
-        _, tries = airflow_tries(airflow_home, "standalone_run")
+        # The sensor's second poke, 15 s after its first, then the scheduler's next loops.
+        assert wait_for("the dag run's end", finished, seconds=60, interval=1) == "failed"
+        _, tries = airflow_tries(home, "standalone_run")
         expected = {
             slug: [(number, AS_RECORDED[state]) for number, state in found]
             for slug, found in tries.items()

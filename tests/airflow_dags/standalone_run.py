@@ -49,7 +49,9 @@ with DAG("standalone_run", schedule=None, start_date=datetime(2026, 1, 1), catch
         timeout=120,
     )
 
-    @task
+    # First in the queue (the others weigh 1 or 2): the test kills it as soon as it runs,
+    # whatever else is still waiting for one of the two slots.
+    @task(priority_weight=100, weight_rule="absolute")
     def sleeper() -> None:
         (STATE / "pid").write_text(str(os.getpid()))
         time.sleep(600)

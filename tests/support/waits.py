@@ -19,14 +19,17 @@ def eventually(
     return time.monotonic() - began
 
 
-def wait_for(what: str, probe: Callable[[], T | None], seconds: float = 15) -> T:
-    """Poll `probe` until it gives something truthy, and return that. Fails after `seconds`."""
+def wait_for(
+    what: str, probe: Callable[[], T | None], seconds: float = 15, interval: float = 0.05
+) -> T:
+    """Poll `probe` every `interval` until it gives something truthy, and return that. Fails
+    after `seconds`."""
     found: list[T | None] = [None]
 
     def check() -> bool:
         found[0] = probe()
         return bool(found[0])
 
-    eventually(check, seconds, what=what)
+    eventually(check, seconds, interval, what=what)
     assert found[0] is not None
     return found[0]
