@@ -405,10 +405,21 @@ def conversation(base: str) -> list[tuple[int, object]]:
     return answers
 
 
+SECRET = "SELECT pg_get_functiondef('steprecord_instance_id_key()'::regprocedure)"
+
+
 def test_answers_are_the_same_with_and_without_prepared_statements(server_dsn: str) -> None:
     answers = []
+    secret = None  # the first database's, given to the second: the same keys, the same ids
     for env in ({}, BEHIND_PGBOUNCER):  # the default prepares statements; `none` does not
         with migrated_database(server_dsn, "steprecord_prepared_") as url:
+            with psycopg.connect(url, autocommit=True) as conn:
+                if secret is None:
+                    row = conn.execute(SECRET).fetchone()
+                    assert row is not None
+                    secret = str(row[0])
+                else:
+                    conn.execute(secret)
             base, proc = start_server(url, env=env)
             try:
                 answers.append(conversation(base))
