@@ -27,21 +27,23 @@ from pydantic import AliasChoices, ValidationError
 from sqlalchemy.exc import DBAPIError
 from uvicorn.supervisors import Multiprocess
 
-from app import __version__, domain, pruning
+from app import __version__
 from app import main as wiring
-from app.access import SCOPES, new_token
-from app.bodies import parse_reopen
-from app.config import Settings, is_loopback, parse_duration, redact
+from app.access.tokens import SCOPES, new_token
+from app.api.bodies import parse_reopen
+from app.core import domain
+from app.core.config import Settings, is_loopback, parse_duration, redact
+from app.core.db import AsyncConn
+from app.core.limits import PREFIX_DELIMITED_RE, PREFIX_RE
+from app.core.problems import Problem, to_problem
+from app.core.serialize import dumps, record_json
+from app.core.shown import shown
 from app.data import repairs, retention, revision, roles, tokens
-from app.db import AsyncConn
-from app.distribution import CoordinatorUnknown, WorkerUnreachable, schema_url
-from app.embedded import EmbeddedPostgres
-from app.errors import Problem, to_problem
-from app.limits import PREFIX_DELIMITED_RE, PREFIX_RE
 from app.main import alembic_config, create_app, known_revisions, schema_head
-from app.serialize import dumps, record_json
-from app.server import ServerConfig
-from app.shown import shown
+from app.ops import pruning
+from app.ops.distribution import CoordinatorUnknown, WorkerUnreachable, schema_url
+from app.ops.embedded import EmbeddedPostgres
+from app.ops.server import ServerConfig
 
 
 def openapi_json() -> str:

@@ -69,13 +69,14 @@ from psycopg.rows import dict_row
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import access, domain
+from app.access import tokens
+from app.core import domain
+from app.core.db import AsyncConn, DatabaseUnavailable
+from app.core.problems import validation_problem
+from app.core.serialize import dumps, record_json
 from app.data import replication, stream
-from app.db import AsyncConn, DatabaseUnavailable
-from app.errors import validation_problem
-from app.observe import STREAMS_OPEN
-from app.replica import ReadPool
-from app.serialize import dumps, record_json
+from app.ops.observe import STREAMS_OPEN
+from app.ops.replica import ReadPool
 
 log = logging.getLogger("steprecord.live")
 
@@ -573,7 +574,7 @@ class Openings:
         if scope["type"] != "http" or not _is_stream(scope["path"]):
             await self.app(scope, receive, send)
             return
-        holder = access.admission_of(scope).holder
+        holder = tokens.admission_of(scope).holder
         slots, users = self._gates.setdefault(holder, (asyncio.Semaphore(OPENING_AT_ONCE), [0]))
         users[0] += 1
         try:

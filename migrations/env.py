@@ -5,13 +5,13 @@ import sys
 from alembic import context
 from sqlalchemy import Connection
 
-from app.config import Settings
+from app.core.config import Settings
+from app.core.db import sync_engine
+from app.core.tables import metadata
 from app.data.revision import MIGRATION_LOCK
 from app.data.roles import keep_grants
-from app.db import sync_engine
-from app.distribution import distribute, has_citus, reaching_workers
 from app.main import COMPATIBLE_AHEAD
-from app.models import metadata
+from app.ops.distribution import distribute, has_citus, reaching_workers
 
 config = context.config
 

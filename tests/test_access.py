@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from alembic import command
 
-from app.access import new_token
+from app.access.tokens import new_token
 from app.cli import migrate
 from app.main import alembic_config
 from tests.support import ROOT

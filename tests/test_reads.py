@@ -11,9 +11,9 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row, tuple_row
 
+from app.core.domain import Order
+from app.core.serialize import dumps, page_json, record_json, timestamp
 from app.data import reads
-from app.domain import Order
-from app.serialize import dumps, page_json, record_json, timestamp
 from tests.bench import queries
 from tests.support.http import T1, T2, T3, post, problem, record
 

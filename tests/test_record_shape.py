@@ -7,7 +7,8 @@ Python: these tests hold each `RETURNS TABLE` to the one definition, column for 
 import psycopg
 import pytest
 
-from app import record, schemas, serialize
+from app.api import spec as schemas
+from app.core import record, serialize
 from app.data.common import RECORD
 
 Conn = psycopg.Connection[tuple[object, ...]]

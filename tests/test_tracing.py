@@ -33,8 +33,9 @@ from pydantic import SecretStr, ValidationError
 from steprecord_client import AsyncRecorder, Recorder
 from steprecord_client.celery import step_slug_for
 
-from app import tracing, ui
-from app.config import Settings
+from app.core import tracing
+from app.core.config import Settings
+from app.dashboard import pages as ui
 from app.data.common import constraint_name
 from app.main import alembic_config, create_app
 from tests import celery_traced_tasks

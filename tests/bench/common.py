@@ -11,7 +11,7 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 from app.cli import migrate
-from app.embedded import EmbeddedPostgres
+from app.ops.embedded import EmbeddedPostgres
 from tests.support.databases import migrated_database
 
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import orjson
 
-from app.bodies import BODIES, parse_batch_event, parse_envelope, parse_event
-from app.domain import Kind
-from app.routes.common import MAX_BATCH_DEPTH
-from app.serialize import loads
+from app.api.bodies import BODIES, parse_batch_event, parse_envelope, parse_event
+from app.api.routes.common import MAX_BATCH_DEPTH
+from app.core.domain import Kind
+from app.core.serialize import loads
 
 STAMP = "2026-12-05T10:00:00Z"
 LATER = "2026-12-05T10:00:01Z"

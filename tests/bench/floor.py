@@ -22,14 +22,14 @@ from typing import Any
 import psycopg
 from psycopg.rows import tuple_row
 
-from app import cursors
-from app.bodies import parse_event
-from app.config import Settings
+from app.api.bodies import parse_event
+from app.api.routes.refusals import judged
+from app.core import cursors
+from app.core.config import Settings
+from app.core.db import Pool
+from app.core.serialize import dumps, loads, page_json
 from app.data import judge
 from app.data.reads import LIST_PAGE, PAGE_COLUMNS, PAGE_READ_BYTES
-from app.db import Pool
-from app.routes.refusals import judged
-from app.serialize import dumps, loads, page_json
 
 LIMIT = 100
 HEADERS = [(b"content-type", b"application/json")]

@@ -25,7 +25,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from app.cli import migrate
-from app.embedded import EmbeddedPostgres
+from app.ops.embedded import EmbeddedPostgres
 from tests.bench.run import (
     HTTP,
     INSTANCES,

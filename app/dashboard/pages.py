@@ -1,0 +1,1063 @@
+"""The built-in dashboard at `/ui`: read-only pages rendered on the server from the data module.
+
+Templates are Jinja2 with autoescaping, so a step's output, error or key is always text, never
+markup. The stylesheet and the small live-update script are served by the service itself.
+Access (README, "Dashboard"): the API's rules, plus a read token kept in an HttpOnly cookie.
+"""
+
+import asyncio
+import json
+import math
+import re
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, quote, urlsplit
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from jinja2 import Environment, FileSystemLoader
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.access import sessions, tenancy
+from app.api.bodies import label_filter
+from app.core import cursors, domain, static
+from app.core.db import AsyncConn
+from app.core.limits import KEY_PREFIX_RE, KEY_RE, NAME_RE
+from app.core.problems import Problem
+from app.core.serialize import timestamp
+from app.core.shown import shown
+from app.dashboard import timeline as timescale
+from app.dashboard.timeline import Scale, duration
+from app.data import dashboard, reads, repairs, running, stats
+from app.ops.replica import ReadPool
+
+HERE = Path(__file__).resolve().parent
+ASSETS = HERE / "assets"
+# The session's cookie: over https `__Host-` prefixed (the browser keeps it only when it is
+# Secure, for this host alone, on path `/`: no other host of the domain, and no page over
+# http, can set or shadow it); over plain http, where a cookie cannot be Secure and so
+# cannot have the prefix, the plain name. A request over https reads only the prefixed one.
+COOKIE = "steprecord_ui_token"
+SECURE_COOKIE = "__Host-" + COOKIE
+
+
+def cookie_name(secure: bool) -> str:
+    return SECURE_COOKIE if secure else COOKIE
+
+
+CSS = static.url("ui", "ui.css")
+JS = static.url("ui", "ui.js")
+LOGIN = "/ui/login"
+LOGOUT = "/ui/logout"
+# The login form checks the token itself, so it needs none (nor write scope for its POST);
+# signing out only forgets the cookie.
+OPEN_PATHS = frozenset({CSS, JS, LOGIN, LOGOUT})
+PAGE_SIZE = 50
+MAX_STEPS = 1000  # the most steps an instance page shows; the API lists any number
+LIST_SIZE = 100
+STATS_SIZE = 100  # step names on the statistics page, most attempts first
+MAX_LOGIN_BYTES = 4096
+# The timeline's lanes and axis, in pixels (its scale: app/timeline.py).
+LANE, AXIS = 18, 34
+# A lane's label, in characters: what fits its share of the timeline (`timeline.LABEL`) on a
+# wide page, and on a narrow one (ui.css shows the narrow label below 1,000 px).
+LANE_CHARS, NARROW_LANE_CHARS = 28, 20
+# Long pages are drawn in chunks of steps that the browser lays out only once scrolled into
+# view (`content-visibility: auto`); ROW_HEIGHT is a table row's estimated height in pixels.
+CHUNK = 100
+ROW_HEIGHT = 27
+GLYPHS = {
+    "pending": "○",
+    "running": "▶",
+    "completed": "✓",
+    "failed": "✗",
+    "superseded": "↷",
+    "swept": "⊘",
+}
+
+router = APIRouter(include_in_schema=False)
+
+
+def read_connection(request: Request) -> AbstractAsyncContextManager[AsyncConn]:
+    """The connection every page reads from: the one place that chooses the database (the
+    read replica while it is healthy, else the primary; see app/replica.py)."""
+    reads: ReadPool = request.app.state.read_pool
+    return reads.connection()
+
+
+# --- formatting ------------------------------------------------------------------------
+
+
+def utc(value: datetime | None) -> str:
+    if value is None:
+        return ""
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def iso(value: datetime | None) -> str:
+    return "" if value is None else timestamp(value)
+
+
+def millis(value: datetime | None) -> str:
+    return "" if value is None else str(round(value.timestamp() * 1000))
+
+
+def took(start: datetime | None, end: datetime | None, now: datetime) -> str:
+    """How long an attempt ran (so far, when it is still running)."""
+    if start is None:
+        return ""
+    return duration(((end or now) - start).total_seconds())
+
+
+def ago(value: datetime | None, now: datetime) -> str:
+    return "" if value is None else duration((now - value).total_seconds()) + " ago"
+
+
+def pretty(output: str | None) -> str:
+    """A stored output (JSON text), indented for reading."""
+    return "" if output is None else json.dumps(json.loads(output), indent=2, ensure_ascii=False)
+
+
+# A JSON text's tokens: a string (perhaps cut before its closing quote), a punctuator, or a
+# run of anything else (a number, true, false, null); whitespace between them is dropped.
+JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?$)|[{}\[\],:]|[^\s{}\[\],:"]+')
+
+
+def pretty_head(text: str) -> str:
+    """The first part of a JSON text, cut anywhere, indented as `pretty` indents a whole one:
+    a line per member and element, two spaces a level, strings kept as they are."""
+    out: list[str] = []
+    depth = 0
+    tokens = JSON_TOKEN.findall(text)
+    for index, token in enumerate(tokens):
+        following = tokens[index + 1] if index + 1 < len(tokens) else ""
+        if token in ("{", "["):
+            depth += 1
+            out.append(token if following in ("}", "]") else token + "\n" + "  " * depth)
+        elif token in ("}", "]"):
+            depth = max(depth - 1, 0)
+            empty = index > 0 and tokens[index - 1] in ("{", "[")
+            out.append(token if empty else "\n" + "  " * depth + token)
+        elif token == ",":
+            out.append(",\n" + "  " * depth)
+        elif token == ":":
+            out.append(": ")
+        else:
+            out.append(token)
+    return "".join(out)
+
+
+def shown_attempt(attempt: dict[str, Any], api: str) -> dict[str, Any]:
+    """An attempt as the step page shows it: an output within `OUTPUT_HEAD` bytes whole and
+    pretty-printed, a larger one's first `OUTPUT_HEAD` bytes indented the same way up to the
+    cut (`pretty_head`), with a link to the attempt in the API (`api`: the step's URL there)."""
+    size = attempt["output_bytes"]
+    if size is not None and size > dashboard.OUTPUT_HEAD:
+        head = attempt["output"].encode()[: dashboard.OUTPUT_HEAD].decode(errors="ignore")
+        after = (
+            ""
+            if attempt["attempt"] == 1
+            else "&cursor=" + cursors.attempts_cursor({"attempt": attempt["attempt"] - 1})
+        )
+        attempt["output"] = pretty_head(head) + "\n…"
+        attempt["output_href"] = f"{api}/attempts?limit=1{after}"
+    else:
+        attempt["output"] = None if size is None else pretty(attempt["output"])
+    return attempt
+
+
+def link_url(url: str | None) -> str | None:
+    """`url` when it may be a link (http or https only), else None: it is then shown as text."""
+    if url is None:
+        return None
+    try:
+        scheme = urlsplit(url.strip()).scheme.lower()
+    except ValueError:
+        return None
+    return url if scheme in ("http", "https") else None
+
+
+def mark(status: str, error_code: str | None = None) -> str:
+    """The class that styles a status: a swept attempt (its lease expired) is marked apart."""
+    return "swept" if status == "failed" and error_code == "lease_expired" else status
+
+
+def trace_link(template: str | None, trace_id: str) -> str | None:
+    """The link to an attempt's trace: STEPRECORD_TRACE_URL with the id in place of
+    `{trace_id}` (URL-escaped); None without a template (the id is then shown as text)."""
+    return None if template is None else template.replace("{trace_id}", quote(trace_id, safe=""))
+
+
+def path(*parts: str) -> str:
+    return "/ui/" + "/".join(quote(part, safe="") for part in parts)
+
+
+def _finalize(value: Any) -> Any:
+    """Every value a template prints, before it is escaped: client text with its terminal
+    escapes and bidirectional controls shown, never acted on (app/shown.py)."""
+    if type(value) is str:  # not Markup: what the templates themselves made
+        return shown(value)
+    return value
+
+
+ENV = Environment(
+    loader=FileSystemLoader(HERE / "templates"),
+    autoescape=True,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    finalize=_finalize,
+)
+ENV.filters.update(
+    utc=utc, iso=iso, millis=millis, pretty=pretty, step_label=lambda s: step_label(s)
+)
+ENV.globals.update(
+    CSS=CSS, JS=JS, LOGOUT=LOGOUT, LOGIN=LOGIN, GLYPHS=GLYPHS, link_url=link_url, mark=mark,
+    path=path, took=took, ago=ago, trace_link=trace_link,
+)  # fmt: skip
+
+
+def render(
+    request: Request | None, template: str, http_status: int = 200, **context: Any
+) -> HTMLResponse:
+    signed_in = (
+        request is not None and cookie_name(request.url.scheme == "https") in request.cookies
+    )
+    html = ENV.get_template(template).render(now=datetime.now(UTC), signed_in=signed_in, **context)
+    return HTMLResponse(html, status_code=http_status)
+
+
+# Large pages (an instance's timeline, a step's attempts) are built and rendered in a thread,
+# this many at a time per worker: the event loop goes on serving other requests meanwhile
+# (the thread hands it the interpreter back within `SWITCH_SECONDS`), and three large pages
+# asked at once take turns rather than three threads' worth of the loop's time.
+RENDERS_AT_ONCE = 1
+SWITCH_SECONDS = 0.001  # the worker's interpreter switch interval (app/main.py)
+
+
+async def render_aside(
+    request: Request, build: Callable[[], dict[str, Any]], template: str
+) -> HTMLResponse:
+    """`template` rendered with what `build()` returns, both in a thread (see above)."""
+    gate: asyncio.Semaphore = request.app.state.rendering
+    async with gate:
+        return await run_in_threadpool(lambda: render(request, template, **build()))
+
+
+def not_found(request: Request, what: str) -> HTMLResponse:
+    return render(request, "message.html", 404, title="Not found", message=what)
+
+
+# --- the timeline ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Bar:
+    """An attempt's bar on its lane: placed in percent of the timeline's width, with the
+    words a person reads on hover or keyboard focus (and a screen reader as its label)."""
+
+    mark: str
+    x: float
+    width: float
+    attempt: int
+    start_ms: str
+    end_ms: str
+    tip: str
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """A step as the instance page shows it, in its table row and its timeline lane."""
+
+    slug: str
+    short: str  # the lane's label on a wide page
+    narrow: str  # the lane's label on a narrow one (CSS shows one of the two)
+    href: str
+    y: int
+    bars: list[Bar]
+    ordinal: int
+    status: str
+    mark: str
+    glyph: str
+    label: str
+    attempts: int
+    started: str
+    start_ms: str
+    end_ms: str
+    took: str
+    error: str
+    error_line: str
+    updated: str
+    unleased: str = ""  # running without a lease past STEPRECORD_LONG_RUNNING_AFTER: for how long
+
+
+def label(status: str, error_code: str | None) -> str:
+    """A status in words, as a badge shows it after its glyph."""
+    return "failed, lease expired" if mark(status, error_code) == "swept" else status
+
+
+def shorten(name: str, size: int = 28) -> str:
+    return name if len(name) <= size else name[: size - 1] + "…"
+
+
+# A Celery task's slug (steprecord_client.celery): "<task name>:<task id, a UUID>".
+CELERY_SLUG = re.compile(
+    r"(?P<name>[A-Za-z0-9][A-Za-z0-9._:-]*):"
+    r"(?P<id>[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12})"
+)
+# A mapped task's slug (steprecord_client.airflow): "<task id>:<map index, digits>". Its step
+# name (as `/v1/stats/steps` groups it) is the part before the last colon.
+MAPPED_SLUG = re.compile(r"(?P<name>[A-Za-z0-9][A-Za-z0-9._:-]*):(?P<index>[0-9]+)")
+
+
+def slug_parts(slug: str) -> tuple[str, str, str] | None:
+    """``("celery", task name, task id)``, ``("mapped", task id, map index)`` or ``None``
+    for a slug of neither shape."""
+    match = CELERY_SLUG.fullmatch(slug)
+    if match is not None:
+        return "celery", match["name"], match["id"]
+    match = MAPPED_SLUG.fullmatch(slug)
+    if match is not None:
+        return "mapped", match["name"], match["index"]
+    return None
+
+
+def cut_name(name: str, room: int) -> str:
+    """A step name in at most `room` characters: whole when it fits; else its leading dotted
+    parts (a module's path) left out first (`…tasks.fetch_order`), then its end cut."""
+    if len(name) <= room:
+        return name
+    parts = name.split(".")
+    for start in range(1, len(parts)):
+        tail = "…" + ".".join(parts[start:])
+        if len(tail) <= room:
+            return tail
+    return shorten("…" + parts[-1] if len(parts) > 1 else name, max(room, 2))
+
+
+def step_label(slug: str, size: int | None = None) -> str:
+    """A step's name as the dashboard shows it, the name first: a Celery task's slug as its
+    task name and the first 8 characters of its id (`shop.charge:1a2b3c4d…`; pages give the
+    full slug on hover and on the step page), any other slug as it is. With ``size``,
+    shortened to that many characters by cutting what follows the name first: a Celery task's
+    id to fewer characters (at least 4: `shop.tasks.fetch_order:0000…`); the name only when it
+    alone does not fit (see `cut_name`), and never a mapped task's map index (`load:17`)."""
+    parts = slug_parts(slug)
+    if parts is None:
+        return slug if size is None else shorten(slug, size)
+    kind, name, ident = parts
+    if kind == "mapped":
+        return (
+            name + ":" + ident
+            if size is None
+            else cut_name(name, size - len(ident) - 1) + ":" + ident
+        )
+    if size is None:
+        return f"{name}:{ident[:8]}…"
+    name = cut_name(name, size - 6)  # room for ":", 4 characters of the id and "…"
+    return f"{name}:{ident[: min(size - len(name) - 2, 8)]}…"
+
+
+ENV.filters["step_label"] = step_label
+ENV.globals["slug_parts"] = slug_parts
+
+
+def error_reason(message: str | None) -> str:
+    """The line of an error message that says why, for a page that reads whole messages: for a
+    Python traceback its last line that is not blank (the exception), else its first line;
+    `dashboard.ERROR_LINE` picks the same line in SQL for the instance page."""
+    if not message:
+        return ""
+    if dashboard.TRACEBACK in message:
+        return message.rstrip().rpartition("\n")[2].strip()
+    return message.partition("\n")[0]
+
+
+ENV.filters["reason"] = error_reason
+
+
+def reason_after(code: str | None, line: str | None) -> str:
+    """An error's line as it reads after its code: without the code when it starts with it
+    (a Python exception's `ValueError: no rows` after the code `ValueError`)."""
+    line = line or ""
+    return line[len(code) + 2 :] if code and line.startswith(code + ": ") else line
+
+
+def tip(slug: str, attempt: dict[str, Any], scale: Scale, now: datetime) -> str:
+    """An attempt's bar in words, one fact a line: what, when (after the run's first start,
+    and in UTC), how long, and its error's first line."""
+    start, end, code = attempt["started_at"], attempt["completed_at"], attempt["error_code"]
+    lines = [
+        f"{step_label(slug)}, attempt {attempt['attempt']}: {label(attempt['status'], code)}",
+        f"started {offset_of(scale, start)} ({utc(start)})",
+        (f"ended {offset_of(scale, end)}, took " if end else "running for ")
+        + took(start, end, now),
+    ]
+    if (code and code != "lease_expired") or attempt["error_line"]:
+        why = reason_after(code, attempt["error_line"])
+        lines.append("error: " + ": ".join(part for part in (code, why) if part))
+    return "\n".join(lines)
+
+
+def offset_of(scale: Scale, moment: datetime) -> str:
+    return "+" + duration((moment - scale.first).total_seconds())
+
+
+def unleased_for(record: dict[str, Any], now: datetime, after: timedelta | None) -> str:
+    """How long a step has run without a lease when that is longer than `after`
+    (STEPRECORD_LONG_RUNNING_AFTER: nothing fails it if its worker is gone), else ""."""
+    started = record["started_at"]
+    if after is None or record["status"] != "running" or record["lease_expires_at"] is not None:
+        return ""
+    if started is None or now - started <= after:
+        return ""
+    return took(started, None, now)
+
+
+def timeline(
+    instance_key: str,
+    records: list[dict[str, Any]],
+    now: datetime,
+    long_running_after: timedelta | None = None,
+) -> dict[str, Any]:
+    """The instance page's rows: the steps table and the timeline's lanes, with every text
+    formatted here (the template only places and escapes them; it renders 1,000 steps fast).
+    The page's script draws nothing itself: it asks for this again (`/ui/instances/{key}/
+    parts`) when the stream says a step changed, and only stretches running bars to now.
+    A running step without a lease past `long_running_after` is flagged (`Row.unleased`)."""
+    attempts = [a for r in records for a in r["attempts"]]
+    runs = any(a["completed_at"] is None for a in attempts)
+    scale = timescale.scale(
+        [(a["started_at"], a["completed_at"] or now) for a in attempts], running=runs, now=now
+    )
+    rows = []
+    steps_path = path("instances", instance_key, "steps") + "/"
+    for index, record in enumerate(records):
+        bars: list[Bar] = []
+        if scale is not None:
+            # Each attempt at least its minimum width and apart from the one before it by a
+            # gap, so two short attempts never read as one (timeline.separate).
+            attempts = record["attempts"]
+            places = timescale.separate(
+                [scale.bar(a["started_at"], a["completed_at"] or now) for a in attempts]
+            )
+            bars = [
+                Bar(
+                    mark=mark(attempt["status"], attempt["error_code"]),
+                    x=x,
+                    width=width,
+                    attempt=attempt["attempt"],
+                    start_ms=millis(attempt["started_at"]),
+                    end_ms=millis(attempt["completed_at"]),
+                    tip=tip(record["step_slug"], attempt, scale, now),
+                )
+                for attempt, (x, width) in zip(attempts, places, strict=True)
+            ]
+        status, code = record["status"], record["error_code"]
+        rows.append(
+            Row(
+                slug=record["step_slug"],
+                short=step_label(record["step_slug"], LANE_CHARS),
+                narrow=step_label(record["step_slug"], NARROW_LANE_CHARS),
+                href=steps_path + quote(record["step_slug"], safe=""),
+                y=(index % CHUNK) * LANE,
+                bars=bars,
+                ordinal=record["ordinal"],
+                status=status,
+                mark=mark(status, code),
+                glyph=GLYPHS[mark(status, code)],
+                label=label(status, code),
+                attempts=record["attempt_count"],
+                started=utc(record["started_at"]),
+                start_ms=millis(record["started_at"]),
+                end_ms=millis(record["completed_at"]),
+                took=took(record["started_at"], record["completed_at"], now),
+                error=code or "",
+                error_line=reason_after(code, record["error_line"]),
+                updated=iso(record["updated_at"]),
+                unleased=unleased_for(record, now, long_running_after),
+            )
+        )
+    chunks = [rows[i : i + CHUNK] for i in range(0, len(rows), CHUNK)] or [[]]
+    last = scale.segments[-1] if scale else None
+    return {
+        "chunks": chunks,
+        "scale": scale,
+        "first": utc(scale.first) if scale else "",
+        "first_ms": millis(scale.first) if scale else "",
+        # How the script stretches running bars: the last segment is linear, and every
+        # running attempt lies in it (no gap is compressed while something runs).
+        "end_ms": f"{last.end:.0f}" if last else "",
+        "pct_per_ms": f"{last.pct_per_ms:.9g}" if last else "",
+        "now_ms": millis(now),
+        "min_bar": timescale.MIN_BAR,
+        "label": timescale.LABEL,
+        "area": timescale.AREA,
+        "lane": LANE,
+        "axis": AXIS,
+        "row_height": ROW_HEIGHT,
+    }
+
+
+# --- pages -----------------------------------------------------------------------------
+
+
+def labels_asked(query: Any) -> tuple[dict[str, str] | None, str, list[str]]:
+    """The labels a page filters by (`labels=env=prod dag=etl`, as typed in its form): the
+    labels, the text as typed, and what is wrong with it."""
+    text = (query.get("labels") or "").strip()
+    try:
+        return label_filter(text.split()), text, []
+    except Problem as exc:
+        return None, text, [f"Labels are KEY=VALUE pairs separated by spaces: {exc.detail}"]
+
+
+@router.get("/ui")
+async def instances_page(request: Request) -> Response:
+    query = request.query_params
+    status = query.get("status") or None
+    has: reads.Trouble | None = "failed" if status == "failed" else None
+    if status == "running":
+        has = "running"
+    prefix = (query.get("prefix") or "").strip() or None
+    labels, labels_text, errors = labels_asked(query)
+    if status not in (None, "failed", "running"):
+        errors.append('The status filter is "has failed steps" or "has running steps".')
+    if prefix is not None and not KEY_PREFIX_RE.fullmatch(prefix):
+        errors.append(
+            "A key prefix is 1 to 200 characters of letters, digits and . _ : - + ~ (as keys are)."
+        )
+    before = None
+    if query.get("cursor"):
+        try:
+            before = cursors.instances_position(query["cursor"])
+        except Problem:
+            errors.append("That page link is no longer valid: start from the first page.")
+    items: list[dict[str, Any]] = []
+    summaries: dict[int, dict[str, Any]] = {}
+    last = None
+    # A token with a key prefix sees its instances only, whatever the filter asks.
+    reachable, within = tenancy.narrow(tenancy.prefix_of(request.scope), prefix)
+    if reachable and not errors:
+        async with read_connection(request) as conn:
+            items, last = await reads.list_instances(
+                conn, prefix=within, has=has, labels=labels, before=before, limit=PAGE_SIZE
+            )
+            summaries = await dashboard.instance_summaries(conn, [i["id"] for i in items])
+    now = datetime.now(UTC)
+    for item in items:
+        summary = summaries.get(item["id"])
+        item["failing_step"] = summary["failing_step"] if summary else None
+        item["last_activity"] = summary["last_activity"] if summary else None
+        item["took"] = ""
+        if summary and summary["first_start"] is not None:
+            end = None if summary["running"] else summary["last_end"] or summary["first_start"]
+            item["took"] = took(summary["first_start"], end, now) + (" so far" if not end else "")
+    next_query = None
+    if last is not None:
+        params = {
+            "status": status or "",
+            "prefix": prefix or "",
+            "labels": labels_text,
+            "cursor": cursors.instances_cursor(last),
+        }
+        next_query = "&".join(f"{k}={quote(v)}" for k, v in params.items() if v)
+    return render(
+        request,
+        "instances.html",
+        422 if errors else 200,
+        title="Instances",
+        items=items,
+        status=status or "",
+        prefix=prefix or "",
+        labels=labels_text,
+        errors=errors,
+        filtered=bool(status or prefix or labels_text or before),
+        next_query=next_query,
+        base_url=str(request.base_url).rstrip("/"),
+    )
+
+
+async def _instance(
+    request: Request, instance_key: str
+) -> tuple[dict[str, Any], list[dict[str, Any]], int, int] | HTMLResponse:
+    """An instance with its first `MAX_STEPS` steps, how many it has in all, and how many
+    attempts a lane shows at most; or the 404 page."""
+    if not KEY_RE.fullmatch(instance_key):
+        return not_found(request, "No instance has that key.")
+    async with read_connection(request) as conn:
+        try:
+            tenancy.check_read(request.scope, instance_key)
+            instance = await reads.get_instance(conn, instance_key)
+        except domain.InstanceNotFound:
+            return not_found(request, f"No instance has the key {instance_key!r}.")
+        records, total, lane = await dashboard.instance_steps(conn, instance["id"], limit=MAX_STEPS)
+    return instance, records, total, lane
+
+
+@router.get("/ui/instances/{instance_key}")
+async def instance_page(request: Request, instance_key: str) -> Response:
+    found = await _instance(request, instance_key)
+    if isinstance(found, HTMLResponse):
+        return found
+    instance, records, total, lane = found
+    after: timedelta = request.app.state.long_running_after
+
+    def build() -> dict[str, Any]:
+        lanes = timeline(instance_key, records, datetime.now(UTC), after)
+        return {
+            "title": instance_key,
+            "instance": instance,
+            "records": records,
+            "total_steps": total,
+            "steps_api": "/v1" + path("instances", instance_key, "steps").removeprefix("/ui"),
+            # Steps retried more often than a lane draws: their newest attempts only.
+            "cut": sum(r["attempt_count"] > len(r["attempts"]) == lane for r in records),
+            "lane_attempts": lane,
+            "timeline": lanes,
+            "unleased": [r for chunk in lanes["chunks"] for r in chunk if r.unleased],
+            "long_running_after": duration(after.total_seconds()),
+            "stream": f"/v1/instances/{quote(instance_key, safe='')}/stream",
+            "parts": path("instances", instance_key, "parts"),
+        }
+
+    return await render_aside(request, build, "instance.html")
+
+
+@router.get("/ui/instances/{instance_key}/parts")
+async def instance_parts(request: Request, instance_key: str) -> Response:
+    """The parts of the instance page that change with its steps (counts, timeline, steps
+    table), as the page renders them: its script swaps them in when the stream says a step
+    changed, so rows added live are drawn by the same code as the rest."""
+    found = await _instance(request, instance_key)
+    if isinstance(found, HTMLResponse):
+        return found
+    instance, records, _, _ = found
+    after: timedelta = request.app.state.long_running_after
+
+    def build() -> dict[str, Any]:
+        return {
+            "instance": instance,
+            "timeline": timeline(instance_key, records, datetime.now(UTC), after),
+        }
+
+    return await render_aside(request, build, "parts.html")
+
+
+@router.get("/ui/instances/{instance_key}/steps/{step_slug}")
+async def step_page(request: Request, instance_key: str, step_slug: str) -> Response:
+    if not (KEY_RE.fullmatch(instance_key) and NAME_RE.fullmatch(step_slug)):
+        return not_found(request, "No step has that name.")
+    api = "/v1" + path("instances", instance_key, "steps", step_slug).removeprefix("/ui")
+    async with read_connection(request) as conn:
+        try:
+            tenancy.check_read(request.scope, instance_key)
+            record = await reads.get_step(conn, instance_key, step_slug)
+            attempts, total = await dashboard.step_attempts(
+                conn, instance_key, record["id"], limit=MAX_STEPS
+            )
+            repaired = await repairs.list_repairs(
+                conn, instance_key, before=None, limit=MAX_STEPS, step_slug=step_slug
+            )
+        except domain.InstanceNotFound:
+            return not_found(request, f"No instance has the key {instance_key!r}.")
+        except domain.StepNotFound:
+            return not_found(request, f"Instance {instance_key!r} has no step {step_slug!r}.")
+
+    def build() -> dict[str, Any]:
+        return {
+            "title": f"{step_slug} · {instance_key}",
+            "record": record,
+            "attempts": [shown_attempt(a, api) for a in attempts],
+            "older": total - len(attempts),
+            "repairs": repaired.items,
+            "more_repairs": repaired.last is not None,
+            "api": api,
+            "trace_url": request.app.state.trace_url,
+        }
+
+    return await render_aside(request, build, "step.html")
+
+
+async def _across(
+    request: Request, *, failed: bool, labels: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    async with read_connection(request) as conn:
+        page = await reads.list_recent(
+            conn,
+            prefix=tenancy.prefix_of(request.scope),
+            labels=labels,
+            statuses=["failed"] if failed else ["running"],
+            updated_after=None,
+            lease_expired=not failed,
+            before=None,
+            limit=LIST_SIZE,
+        )
+    return page.items
+
+
+@dataclass(frozen=True, slots=True)
+class Spark:
+    """Failures per hour as a small SVG: one bar an hour, oldest first."""
+
+    bars: list[tuple[float, float, float, str]]  # x, y, height, its words
+    width: int
+    height: int
+    total: int
+    peak: int
+    label: str
+
+
+SPARK_HOUR, SPARK_HEIGHT = 8, 36
+
+
+def sparkline(hours: list[tuple[datetime, int]], step: str | None = None) -> Spark:
+    peak = max((count for _, count in hours), default=0)
+    bars = []
+    for index, (hour, count) in enumerate(hours):
+        height = 0.0 if count == 0 else max(count / peak * SPARK_HEIGHT, 2.0)
+        words = f"{hour.astimezone(UTC):%H}:00 UTC: {count} failed"
+        bars.append((index * SPARK_HOUR + 1.0, SPARK_HEIGHT - height, height, words))
+    total = sum(count for _, count in hours)
+    of = "" if step is None else f" of step {step}"
+    label = f"Failed attempts{of} per hour, last 24 hours: {total} in all"
+    if peak:
+        busiest = max(hours, key=lambda item: item[1])[0].astimezone(UTC)
+        label += f", at most {peak} an hour (from {busiest:%H}:00 UTC)"
+    return Spark(bars, len(hours) * SPARK_HOUR, SPARK_HEIGHT, total, peak, label)
+
+
+def failed_at(record: dict[str, Any]) -> tuple[datetime, int]:
+    """A failed record's failure time (its `completed_at`), then its id, for ordering."""
+    return record["completed_at"] or record["updated_at"], record["id"]
+
+
+@router.get("/ui/failing")
+async def failing_page(request: Request) -> Response:
+    step = (request.query_params.get("step") or "").strip() or None
+    if step is not None and not NAME_RE.fullmatch(step):
+        return not_found(request, "No step has that name.")
+    now = datetime.now(UTC)
+    prefix = tenancy.prefix_of(request.scope)
+    labels, labels_text, errors = labels_asked(request.query_params)
+    since = now - timedelta(hours=24)
+    items: list[dict[str, Any]] = []
+    hours: list[tuple[datetime, int]] = []
+    if not errors:
+        async with read_connection(request) as conn:
+            if step is None:
+                hours = await stats.failures_per_hour(
+                    conn, since=since, until=now, prefix=prefix, labels=labels
+                )
+            else:
+                hours = await stats.failures_per_hour_of_step(
+                    conn, step, since=since, until=now, prefix=prefix, labels=labels
+                )
+                items = await dashboard.failed_of_step(
+                    conn, step, prefix=prefix, labels=labels, limit=LIST_SIZE
+                )
+        if step is None:
+            items = await _across(request, failed=True, labels=labels)
+    # The most recently written failures, shown by when they failed (what the page shows):
+    # a late report or a swept lease fails at an earlier time than it was written.
+    items.sort(key=failed_at, reverse=True)
+    return render(
+        request,
+        "across.html",
+        422 if errors else 200,
+        title="Failing now",
+        view="failing",
+        items=items,
+        step=step,
+        labels=labels_text,
+        errors=errors,
+        spark=sparkline(hours, step),
+    )
+
+
+@router.get("/ui/stuck")
+async def stuck_page(request: Request) -> Response:
+    """Running steps whose lease expired, then running steps without a lease that have run
+    longer than STEPRECORD_LONG_RUNNING_AFTER (the sweeper never fails those)."""
+    items = await _across(request, failed=False)
+    after: timedelta = request.app.state.long_running_after
+    async with read_connection(request) as conn:
+        unleased = await running.list_long_running(
+            conn,
+            older_than=after.total_seconds(),
+            prefix=tenancy.prefix_of(request.scope),
+            no_lease=True,
+            after=None,
+            limit=LIST_SIZE,
+        )
+    return render(
+        request,
+        "across.html",
+        title="Stuck",
+        view="stuck",
+        items=items,
+        unleased=unleased.items,
+        long_running_after=duration(after.total_seconds()),
+    )
+
+
+WINDOWS = {"1h": timedelta(hours=1), "24h": timedelta(hours=24), "7d": timedelta(days=7)}
+
+
+@router.get("/ui/stats")
+async def stats_page(request: Request) -> Response:
+    """Per step name over a window: attempts, failure rate, and a bar of its p95 duration,
+    from the function behind `GET /v1/stats/steps`, within the token's prefix as it is."""
+    window = request.query_params.get("window") or "24h"
+    prefix = (request.query_params.get("prefix") or "").strip() or None
+    labels, labels_text, errors = labels_asked(request.query_params)
+    if window not in WINDOWS:
+        errors.append("The window is 1h, 24h or 7d.")
+        window = "24h"
+    if prefix is not None and not KEY_PREFIX_RE.fullmatch(prefix):
+        errors.append(
+            "A key prefix is 1 to 200 characters of letters, digits and . _ : - + ~ (as keys are)."
+        )
+    until = datetime.now(UTC)
+    since = until - WINDOWS[window]
+    items: list[dict[str, Any]] = []
+    reachable, within = tenancy.narrow(tenancy.prefix_of(request.scope), prefix)
+    if reachable and not errors:
+        async with read_connection(request) as conn:
+            items = await stats.step_stats(
+                conn, since=since, until=until, prefix=within, limit=STATS_SIZE, labels=labels
+            )
+    slowest = max((i["duration_ms"]["p95"] or 0.0 for i in items), default=0.0)
+    rows = [
+        {
+            **item,
+            "total": sum(item["attempts"].values()),
+            "p95": _ms_words(item["duration_ms"]["p95"]),
+            "p50": _ms_words(item["duration_ms"]["p50"]),
+            "max": _ms_words(item["duration_ms"]["max"]),
+            "bar": log_bar(item["duration_ms"]["p95"], slowest),
+            "rate": "" if item["failure_rate"] is None else f"{item['failure_rate']:.1%}",
+            "failing": "/ui/failing?step=" + quote(item["name"], safe=""),
+        }
+        for item in items
+    ]
+    return render(
+        request,
+        "stats.html",
+        422 if errors else 200,
+        title="Statistics",
+        rows=rows,
+        window=window,
+        windows=list(WINDOWS),
+        prefix=prefix or "",
+        labels=labels_text,
+        errors=errors,
+        since=since,
+        until=until,
+    )
+
+
+def log_bar(ms: float | None, slowest: float) -> float:
+    """A p95's bar, in percent of its room, on a log scale from 1 ms to the slowest p95 (at
+    least 10 ms): next to a 2-hour step, a 50 ms one still has a bar a quarter as long, and a
+    duration ten times as long is always the same step longer. At least 1 %, so none is lost."""
+    if not ms:
+        return 0.0
+    return max(math.log10(max(ms, 1.0)) / math.log10(max(slowest, 10.0)) * 100, 1.0)
+
+
+def _ms_words(value: float | None) -> str:
+    return "" if value is None else duration(value / 1000)
+
+
+# --- signing in ------------------------------------------------------------------------
+
+
+def asks_for_login(scope: Scope) -> bool:
+    """Whether a refused request is a page of the dashboard, answered with the login form."""
+    path_ = scope["path"]
+    return scope["method"] in ("GET", "HEAD") and (path_ == "/ui" or path_.startswith("/ui/"))
+
+
+def _safe_next(target: str | None) -> str:
+    """Where to go after signing in: a dashboard page of this service, never elsewhere."""
+    if not target or "\\" in target or "//" in target or ".." in target:
+        return "/ui"
+    return target if target == "/ui" or target.startswith(("/ui/", "/ui?")) else "/ui"
+
+
+def login_page(
+    scope: Scope, detail: str | None, status: int = 401, target: str | None = None
+) -> HTMLResponse:
+    """A dashboard page refused for want of a token: the form asking for one, then back to
+    the page. `detail` is the refusal's wording for programs, "what to send; why": the page
+    tells a person what to do instead, and shows only the why."""
+    if target is None:
+        query = scope.get("query_string", b"").decode("latin-1")
+        target = scope["path"] + (f"?{query}" if query else "")
+    secure = scope.get("scheme") == "https"
+    kept = any(
+        name == b"cookie" and token_from_cookie(value.decode("latin-1"), secure) is not None
+        for name, value in scope["headers"]
+    )
+    reason = (detail or "").partition("; ")[2]
+    message = None
+    if kept:
+        message = "The token this browser kept is unknown or revoked: paste a current one."
+    elif reason:
+        message = f"{reason[0].upper()}{reason[1:]}."
+    return _login_form(message, status, target)
+
+
+def _login_form(message: str | None, status: int, target: str | None) -> HTMLResponse:
+    """The form asking for a read token; after it, the browser goes to `target`."""
+    return render(
+        None, "login.html", status, title="Sign in", message=message, next=_safe_next(target)
+    )
+
+
+def token_from_cookie(header: str, secure: bool) -> str | None:
+    """The dashboard's session from a `Cookie` header of a request over https (`secure`) or
+    plain http, if it carries one under that scheme's name."""
+    wanted = cookie_name(secure)
+    for part in header.split(";"):
+        name, _, value = part.strip().partition("=")
+        if name == wanted and value:
+            return value
+    return None
+
+
+@router.get(LOGIN)
+async def login_form(request: Request) -> Response:
+    return _login_form(None, 200, request.query_params.get("next"))
+
+
+def same_origin(request: Request) -> bool:
+    """Whether a form was posted from a page of this service: its `Origin` (or, without one,
+    its `Referer`) names the host the request was sent to (`Host`, or `X-Forwarded-Host` as
+    a proxy passes it on). A browser always sends one of them with a form's POST, and another
+    site's page cannot make it name this service."""
+    origin = request.headers.get("origin") or request.headers.get("referer")
+    if not origin or origin == "null":
+        return False
+    netloc = urlsplit(origin).netloc.lower()
+    hosts = [request.headers.get("host") or ""]
+    hosts += (request.headers.get("x-forwarded-host") or "").split(",")
+    return bool(netloc) and netloc in {host.strip().lower() for host in hosts}
+
+
+CROSS_SITE = (
+    "This form was sent from another site, or without saying where from: open the dashboard"
+    " itself and sign in there."
+)
+
+
+def _cookie_flags(request: Request) -> dict[str, Any]:
+    # `Secure` when the request came over https: directly, or through a proxy the operator
+    # trusts (STEPRECORD_TRUSTED_PROXIES; the server takes the scheme from its header).
+    return {
+        "httponly": True,
+        "samesite": "strict",
+        "path": "/",
+        "secure": request.url.scheme == "https",
+    }
+
+
+@router.post(LOGIN)
+async def login(request: Request) -> Response:
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_LOGIN_BYTES:
+            return _login_form("That is not a token.", 413, "/ui")
+    form = parse_qs(body.decode("utf-8", "replace"))
+    target = _safe_next((form.get("next") or [""])[0])
+    if not same_origin(request):
+        return _login_form(CROSS_SITE, 403, target)
+    token = (form.get("token") or [""])[0].strip()
+    grant = request.app.state.tokens.grant_of(token) if token else None
+    if grant is None:
+        return _login_form("That token is unknown or revoked.", 401, target)
+    seconds = request.app.state.session_seconds
+    expires = int(datetime.now(UTC).timestamp() + seconds)
+    session = sessions.sign(request.app.state.session_secret, grant.token_id, grant.digest, expires)
+    response = RedirectResponse(target, status_code=303)
+    flags = _cookie_flags(request)
+    response.set_cookie(cookie_name(flags["secure"]), session, max_age=int(seconds), **flags)
+    return response
+
+
+@router.get(LOGOUT)
+async def logout_page(request: Request) -> Response:
+    """Signing out is a POST (the Log out button): a link or an image on another site must
+    not sign anyone out. A GET only says so."""
+    response = render(
+        request,
+        "message.html",
+        405,
+        title="Sign out",
+        message="Signing out is done with the Log out button at the top of each page.",
+    )
+    response.headers["Allow"] = "POST"
+    return response
+
+
+@router.post(LOGOUT)
+async def logout(request: Request) -> Response:
+    if not same_origin(request):
+        return render(request, "message.html", 403, title="Sign out", message=CROSS_SITE)
+    response = RedirectResponse("/ui", status_code=303)
+    flags = _cookie_flags(request)
+    response.delete_cookie(cookie_name(flags["secure"]), **flags)
+    return response
+
+
+# Sent with every dashboard page (the sign-in form and refusals included): no other site may
+# frame it (clickjacking), it loads and sends nothing but this service's own files and forms,
+# and neither the browser nor a proxy keeps a copy of a page.
+PAGE_HEADERS = {
+    "x-frame-options": "DENY",
+    "content-security-policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; style-src-attr 'unsafe-inline';"
+        " img-src 'self' data:; connect-src 'self'; form-action 'self'; base-uri 'none';"
+        " frame-ancestors 'none'"
+    ),
+    "cache-control": "no-store",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "same-origin",
+}
+
+
+class DashboardHeaders:
+    """ASGI middleware adding `PAGE_HEADERS` to every response under `/ui`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path_ = scope.get("path", "")
+        if scope["type"] != "http" or not (path_ == "/ui" or path_.startswith("/ui/")):
+            await self.app(scope, receive, send)
+            return
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in PAGE_HEADERS.items():
+                    headers[name] = value
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
+def install(app: FastAPI) -> None:
+    static.mount(app, "ui", ASSETS)
+    app.state.rendering = asyncio.Semaphore(RENDERS_AT_ONCE)
+    # The routes themselves, not an included router: every route of the app is then one entry
+    # of `app.routes` (the unknown-route advice in app/errors.py reads them).
+    app.router.routes.extend(router.routes)
