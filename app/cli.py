@@ -602,7 +602,7 @@ async def _repair(args: argparse.Namespace, url: str) -> int:
             file=sys.stderr,
         )
         return 1
-    print(shown(dumps(record).decode()))  # a client's text drives no terminal (app/shown.py)
+    print(shown(dumps(record).decode()))  # a client's text drives no terminal (app/core/shown.py)
     print(
         f"reopened {args.instance_key}/{args.step_slug}: pending at attempt"
         f" {record['attempt_count']}, logged as repaired by {by!r}",

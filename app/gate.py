@@ -99,7 +99,7 @@ class AccessControl:
             if grant is not None and grant.key_prefix is not None:
                 tenancy.set_prefix(scope, grant.key_prefix)
             # Its database connections count against its token's share, and its tenant's
-            # (a key prefix's) when it has one (app/shares.py).
+            # (a key prefix's) when it has one (app/core/shares.py).
             principal = shares.PRINCIPAL.set(
                 shares.principal_of(None, None)
                 if grant is None

@@ -13,7 +13,7 @@ counted in the database (app/data/stream.py), and reads on at once; the stream w
 event at a time, and the server takes the next only once the client has read enough of the
 last. So a stream holds about one read's records, however large the instance, and one whose
 client stops reading waits with them until the server's send deadline ends its connection
-(`STEPRECORD_SEND_TIMEOUT_SECONDS`, app/server.py).
+(`STEPRECORD_SEND_TIMEOUT_SECONDS`, app/ops/server.py).
 
 Streams of one instance share their reads. A stream that wants to read joins the read of its
 instance that is about to run (waiting for a connection, its statement not sent yet) or
@@ -475,7 +475,7 @@ async def sse_body(
             if changes is not None:
                 # One event per write: the server waits for a client that reads slowly
                 # before it takes the next, so the stream holds at most one event in its
-                # connection's buffer (and ends when its client stops reading: app/server.py).
+                # connection's buffer (and ends when its client stops reading: app/ops/server.py).
                 for frame in changes.frames:
                     yield frame
                 if changes.frames:

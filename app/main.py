@@ -107,11 +107,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.database_url is None:
             raise RuntimeError("DATABASE_URL is not set (`steprecord serve` sets it for you)")
         primary_url = settings.database_url.get_secret_value()
-        # A page rendered in a thread (app/ui.py) gives the event loop the interpreter back
-        # within a millisecond, not Python's default 5: each request the loop serves meanwhile
-        # waits for it several times (accepting, reading, each query, answering).
+        # A page rendered in a thread (app/dashboard/pages.py) gives the event loop the
+        # interpreter back within a millisecond, not Python's default 5: each request the loop
+        # serves meanwhile waits for it several times (accepting, reading, each query, answering).
         sys.setswitchinterval(pages.SWITCH_SECONDS)
-        # Tracing on: this worker exports its spans from now until it stops (app/tracing.py).
+        # Tracing on: this worker exports its spans from now until it stops (app/core/tracing.py).
         tracer = None if provider is None else tracing.start(provider)
 
         share = settings.pool_share_per_token or shares.default_share(settings.pool_size)
@@ -212,7 +212,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         routes=routes.ROUTES,
         docs_url=None,
         redoc_url=None,
-        # A trailing slash answers 307 with a problem naming the right URL (app/errors.py).
+        # A trailing slash answers 307 with a problem naming the right URL (app/core/problems.py).
         redirect_slashes=False,
     )
     docs.install(app)
@@ -232,7 +232,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(gate.AccessControl)
     app.add_middleware(pages.DashboardHeaders)  # outside the access check: its 401 page too
     app.add_middleware(Observe)
-    # An answer before the body was read ends its connection (app/server.py), whoever answers.
+    # An answer before the body was read ends its connection (app/ops/server.py), whoever answers.
     app.add_middleware(server.CloseAfterEarlyAnswer)
     # Server spans, outside every other middleware, only when tracing is on.
     app.state.tracing = provider = tracing.instrument(app)

@@ -1,4 +1,4 @@
-"""Alembic environment: runs migrations on one connection from `app.db.sync_engine`."""
+"""Alembic environment: runs migrations on one connection from `app.core.db.sync_engine`."""
 
 import sys
 
@@ -41,7 +41,7 @@ def upgrade_on(connection: Connection) -> None:
         at = f"at revision {current}" if current else "never migrated"
         with reaching_workers(f"migrate the database ({at}) to revision {target}"):
             context.run_migrations()
-        # On Citus, distribute what is not distributed yet (app/distribution.py); nothing
+        # On Citus, distribute what is not distributed yet (app/ops/distribution.py); nothing
         # on one node. In the same transaction, under the same lock.
         with reaching_workers("distribute the schema on the Citus cluster"):
             distribute(connection)

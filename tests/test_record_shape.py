@@ -1,4 +1,4 @@
-"""The record's shape is written once (app/record.py); everything that shows a record follows.
+"""The record's shape is written once (app/core/record.py); everything that shows a record follows.
 
 The database functions that answer records declare their columns in SQL, which cannot read
 Python: these tests hold each `RETURNS TABLE` to the one definition, column for column.

@@ -88,7 +88,7 @@ def server_and_database(receiver: OtlpReceiver, trace_id: str) -> tuple[Span, Sp
 
 
 # On a Citus cluster the service first asks the coordinator where a new instance lives, and
-# checks a node the first time it reaches it (app/nodes.py): spans of the request too.
+# checks a node the first time it reaches it (app/ops/nodes.py): spans of the request too.
 PLACEMENT = frozenset({"shards_of", "node_check"})
 
 

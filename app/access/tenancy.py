@@ -6,7 +6,7 @@ missing instance (404 `instance_not_found`), a write to one is refused (403 `out
 before anything is written, and the lists read only the prefix's range of keys. Tokens
 without a prefix, and anonymous loopback access, reach every instance.
 
-The access check (app/access.py) puts the prefix of the request's token in the request's
+The access check (app/gate.py) puts the prefix of the request's token in the request's
 state; the routes ask here.
 """
 

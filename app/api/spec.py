@@ -9,7 +9,7 @@ from app.core import record as record_shape
 if TYPE_CHECKING:
     Record = BaseModel
 else:
-    # A record, from its one definition (app/record.py): the fields a summary leaves out may
+    # A record, from its one definition (app/core/record.py): the fields a summary leaves out may
     # be absent, every other one is always there.
     Record = create_model(
         "Record",

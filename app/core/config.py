@@ -56,7 +56,7 @@ class Settings(BaseSettings):
     # use (0); `none` keeps none, for PgBouncer before 1.21 in transaction mode.
     prepare_threshold: int | None = Field(default=0, ge=0)
     # On Citus: send each instance's events, heartbeats and reads straight to the node holding
-    # it (app/nodes.py), reading the coordinator's shard map every `shard_map_seconds`; off:
+    # it (app/ops/nodes.py), reading the coordinator's shard map every `shard_map_seconds`; off:
     # every call goes to the node the database URL names, which delegates it.
     citus_direct: bool = True
     shard_map_seconds: float = Field(default=10.0, gt=0, le=3600)
@@ -86,7 +86,7 @@ class Settings(BaseSettings):
     # (e.g. `https://jaeger.example/trace/{trace_id}`); unset: the trace id shown as text.
     trace_url: str | None = None
 
-    # Seconds a client has to send a request's headers (slow clients: see app/server.py);
+    # Seconds a client has to send a request's headers (slow clients: see app/ops/server.py);
     # then 408 and the connection is closed.
     header_timeout_seconds: float = Field(default=10.0, gt=0, le=600)
     # Seconds a client has, once its headers are in, to send the request's body; then 408

@@ -13,11 +13,11 @@ transaction mode as well. A server that does not even answer the cancel within
 `CANCEL_GRACE` seconds is treated as lost.
 
 A request holds at most its token's and its tenant's share of the connections, and the pool's
-last few (its reserve) go only to a request whose token and tenant hold none (app/shares.py);
+last few (its reserve) go only to a request whose token and tenant hold none (app/core/shares.py);
 work that is no request's is not counted. A connection on which the database raised an error
 that no caller handled is closed, never given to the next request.
 
-While tracing is on (app/tracing.py), a request's use of a connection, from waiting for it
+While tracing is on (app/core/tracing.py), a request's use of a connection, from waiting for it
 to giving it back, is a client span of the request's span.
 """
 
@@ -136,7 +136,7 @@ class Pool:
         self._timeout = timeout
         self._statement_timeout = statement_timeout
         self._prepare_threshold = prepare_threshold
-        # Each principal's share of the connections (app/shares.py); None: no shares.
+        # Each principal's share of the connections (app/core/shares.py); None: no shares.
         self._shares = (
             None
             if share is None

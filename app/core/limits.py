@@ -1,5 +1,6 @@
 """The limits of what the API accepts: name and URL patterns, sizes. The HTTP layer checks them
-first, for a precise 422; the tables' named constraints (`app.models`) refuse the same values."""
+first, for a precise 422; the tables' named constraints (`app.core.tables`) refuse the same
+values."""
 
 import re
 

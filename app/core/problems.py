@@ -29,7 +29,7 @@ from app.core.serialize import dumps
 PROBLEM_TYPE = "urn:steprecord:problem:"
 RETRY_AFTER_SECONDS = "1"
 log = logging.getLogger("steprecord.database")
-# What an instance key, step slug or error code may be, in words (the pattern in app.models).
+# What an instance key, step slug or error code may be, in words (the pattern in app.core.tables).
 NAME_RULE = (
     "must be 1 to 200 characters: letters, digits, '.', '_', ':' or '-',"
     " starting with a letter or digit"
@@ -316,7 +316,7 @@ KNOWN = (
 
 async def _handle_disconnect(request: Request, exc: Exception) -> Response:
     """The connection ended before the request's body arrived whole: its body deadline passed
-    (app/server.py, which answered 408 itself) or the client went away. Nobody reads this
+    (app/ops/server.py, which answered 408 itself) or the client went away. Nobody reads this
     answer; the request's log line says 408."""
     detail = "the connection ended before the request's body arrived whole"
     return Problem(408, "request_timeout", detail).response()

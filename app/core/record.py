@@ -3,8 +3,8 @@ its type in the OpenAPI document. Everything else follows from `FIELDS`:
 
 - the columns the data modules select (`columns`, in `app.data.common.RECORD`);
 - the JSON keys the service renders, in order, and those a summary leaves out
-  (`app.serialize`);
-- the OpenAPI response model (`app.schemas.Record`);
+  (`app.core.serialize`);
+- the OpenAPI response model (`app.api.spec.Record`);
 - the record's columns in the `RETURNS TABLE` of each database function that answers records
   (`app/sql/`), which a test compares with `FIELDS`.
 """

@@ -159,7 +159,7 @@ def parse_timestamp(value: Any) -> Any:
         raise ValueError(TIMESTAMP_RULE) from None
 
 
-# The record's keys, in the API's order (app/record.py).
+# The record's keys, in the API's order (app/core/record.py).
 RECORD_KEYS = record_shape.KEYS
 ATTEMPT_KEYS = (
     "attempt",
@@ -263,6 +263,6 @@ def dumps(value: Any) -> bytes:
 
     orjson renders a UTC time itself, exactly as `timestamp` does, in a tenth of the time.
     Every time the service answers comes from its database connections, which run in UTC
-    (`app.db`); a time in another zone would keep its offset.
+    (`app.core.db`); a time in another zone would keep its offset.
     """
     return orjson.dumps(value, option=orjson.OPT_UTC_Z)

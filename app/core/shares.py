@@ -4,7 +4,7 @@ can take every connection (`STEPRECORD_POOL_SHARE_PER_TOKEN`,
 
 A request's principal is its token (a dashboard session counts as its token; anonymous access
 is one principal) and, for a token with a key prefix, its tenant: every token of that prefix
-together. The access check (app/access.py) sets it for the rest of the request. A token holds
+together. The access check (app/gate.py) sets it for the rest of the request. A token holds
 at most its share of a pool's connections at once, and the tokens of one tenant together at
 most the tenant's share; a request beyond either waits for one of them briefly (the pool's
 timeout), then answers 429 `token_busy` with `Retry-After`, while other principals' requests

@@ -3,7 +3,7 @@
 The database functions and triggers (the judge, transitions, history, live-update
 notifications) live in `app/sql/` (SQLAlchemy has no model for them); everything else here is
 compared against the migrations by a test. The limits these constraints enforce, which the API
-checks first, are in `app.limits`.
+checks first, are in `app.core.limits`.
 """
 
 import secrets

@@ -7,7 +7,7 @@ and `OTEL_SDK_DISABLED` is not `true`. The SDK reads every other standard variab
 
 On: the official FastAPI instrumentation makes one server span per request, continuing the
 caller's W3C `traceparent`; each database call of a request is a child span of it (see
-`database_call`, used by `Pool.connection` in app/db.py). Every worker process has its own
+`database_call`, used by `Pool.connection` in app/core/db.py). Every worker process has its own
 provider: `instrument` gives the app its middleware when the app is built, `start` adds the
 batch exporter when the worker starts, and `stop` flushes it and shuts it down when the
 worker stops.
@@ -33,7 +33,7 @@ from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from psycopg.conninfo import conninfo_to_dict
 
-if TYPE_CHECKING:  # the database spans (app/db.py) need neither FastAPI nor the SDK
+if TYPE_CHECKING:  # the database spans (app/core/db.py) need neither FastAPI nor the SDK
     from fastapi import FastAPI, Request
     from opentelemetry.sdk.trace import TracerProvider
 

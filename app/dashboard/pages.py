@@ -63,7 +63,7 @@ MAX_STEPS = 1000  # the most steps an instance page shows; the API lists any num
 LIST_SIZE = 100
 STATS_SIZE = 100  # step names on the statistics page, most attempts first
 MAX_LOGIN_BYTES = 4096
-# The timeline's lanes and axis, in pixels (its scale: app/timeline.py).
+# The timeline's lanes and axis, in pixels (its scale: app/dashboard/timeline.py).
 LANE, AXIS = 18, 34
 # A lane's label, in characters: what fits its share of the timeline (`timeline.LABEL`) on a
 # wide page, and on a narrow one (ui.css shows the narrow label below 1,000 px).
@@ -86,7 +86,7 @@ router = APIRouter(include_in_schema=False)
 
 def read_connection(request: Request) -> AbstractAsyncContextManager[AsyncConn]:
     """The connection every page reads from: the one place that chooses the database (the
-    read replica while it is healthy, else the primary; see app/replica.py)."""
+    read replica while it is healthy, else the primary; see app/ops/replica.py)."""
     reads: ReadPool = request.app.state.read_pool
     return reads.connection()
 
@@ -200,7 +200,7 @@ def path(*parts: str) -> str:
 
 def _finalize(value: Any) -> Any:
     """Every value a template prints, before it is escaped: client text with its terminal
-    escapes and bidirectional controls shown, never acted on (app/shown.py)."""
+    escapes and bidirectional controls shown, never acted on (app/core/shown.py)."""
     if type(value) is str:  # not Markup: what the templates themselves made
         return shown(value)
     return value
@@ -1059,5 +1059,5 @@ def install(app: FastAPI) -> None:
     static.mount(app, "ui", ASSETS)
     app.state.rendering = asyncio.Semaphore(RENDERS_AT_ONCE)
     # The routes themselves, not an included router: every route of the app is then one entry
-    # of `app.routes` (the unknown-route advice in app/errors.py reads them).
+    # of `app.routes` (the unknown-route advice in app/core/problems.py reads them).
     app.router.routes.extend(router.routes)

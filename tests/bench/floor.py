@@ -2,10 +2,10 @@
 
 `tests/bench/cpu.py` serves it with uvicorn (two workers, as the service) on the same
 database and loads it as it loads the service. It calls the service's own functions for the
-work itself: the event's body is parsed and checked by `app.bodies`, judged by
+work itself: the event's body is parsed and checked by `app.api.bodies`, judged by
 `app.data.judge` (`steprecord_apply_event`, prepared, through the service's connection pool)
-and answered by `app.routes.refusals.judged`; the page is read with the service's statement
-(`steprecord_list_page`, in binary) and rendered by `app.serialize`. So its answers are the
+and answered by `app.api.routes.refusals.judged`; the page is read with the service's statement
+(`steprecord_list_page`, in binary) and rendered by `app.core.serialize`. So its answers are the
 service's, byte for byte (cpu.py checks). It has nothing else: no framework, routing,
 parameter parsing, access control, log line, metrics, tracing or request id. What the
 service spends beyond it is what those cost.

@@ -84,7 +84,7 @@ LOADS = ("calls", "routed", "single", "batch")
 SERVICE_ENV = {
     "STEPRECORD_POOL_SHARE_PER_TOKEN": "10",
     "STEPRECORD_DB_TIMEOUT": "30",
-    # Each event straight to the node holding its instance (app/nodes.py).
+    # Each event straight to the node holding its instance (app/ops/nodes.py).
     "STEPRECORD_CITUS_DIRECT": "true",
 }
 # A new record: a `start` of attempt 1 of a new step (one client's random slug) of an existing

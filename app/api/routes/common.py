@@ -114,7 +114,7 @@ def primary_pool(request: Request) -> Pool:
 
 
 async def pools_for(request: Request, keys: list[str]) -> list[Pool]:
-    """The pool for each instance key's writes: on Citus its node's (app/nodes.py), else the
+    """The pool for each instance key's writes: on Citus its node's (app/ops/nodes.py), else the
     primary's."""
     nodes: Nodes | None = request.app.state.nodes
     if nodes is None:
@@ -128,7 +128,7 @@ T = TypeVar("T")
 async def read_instance(
     request: Request, instance_key: str, work: Callable[[AsyncConn], Awaitable[T]]
 ) -> T:
-    """A read of one instance: on Citus on the node that holds it (app/nodes.py), else as
+    """A read of one instance: on Citus on the node that holds it (app/ops/nodes.py), else as
     `read_pool` reads."""
     nodes: Nodes | None = request.app.state.nodes
     if nodes is not None:

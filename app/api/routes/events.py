@@ -32,7 +32,8 @@ router = APIRouter(route_class=KnownQuery)
 
 
 def writer_of(request: Request) -> str:
-    """Who writes what the request writes: its token's name, or `anonymous` (app/access.py)."""
+    """Who writes what the request writes: its token's name, or `anonymous`
+    (app/access/tokens.py)."""
     return tokens.admission_of(request.scope).writer
 
 
