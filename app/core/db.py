@@ -168,7 +168,7 @@ class Pool:
         # setting per client, as it does for every time zone change).
         await conn.execute("SET TimeZone TO 'UTC'")
         conn.prepare_threshold = self._prepare_threshold
-        # Lists (the merge's arrays) go as binary arrays: psycopg dumps a batch's arrays about
+        # Lists (the judge's arrays) go as binary arrays: psycopg dumps a batch's arrays about
         # seven times faster than as text, which it escapes element by element.
         conn.adapters.register_dumper(list, ListBinaryDumper)
         if self._configure is not None:  # the rest of the session, as the caller wants it
