@@ -11,7 +11,8 @@ The packages, each importing only the ones before it (tests/test_layers.py check
 - `access`: tokens, tenants, the dashboard's sessions;
 - `live`: live updates, one LISTEN session per worker and the Server-Sent Events streams;
 - `api`: the HTTP API (routes, bodies, the OpenAPI shapes, docs);
-- `dashboard`: the pages at `/ui`, their timeline, templates and assets, and the sign-in;
+- `dashboard`: the pages at `/ui`, their formatting, rendering, timeline, templates and
+  assets, and the sign-in;
 - `gate`: the access check in front of every route;
 - `main` wires them into the app, and `cli` is the `steprecord` command.
 

@@ -29,10 +29,10 @@ from app.api import docs
 from app.core import shares
 from app.core.config import is_loopback
 from app.core.problems import Problem, problem_response
-from app.dashboard import pages
+from app.dashboard import signin
 
 OPEN_PATHS = frozenset(
-    {"/healthz", "/readyz", "/openapi.json", *docs.OPEN_PATHS, *pages.OPEN_PATHS}
+    {"/healthz", "/readyz", "/openapi.json", *docs.OPEN_PATHS, *signin.OPEN_PATHS}
 )
 COOKIE_METHODS = frozenset({"GET", "HEAD"})
 # The repairs (POST .../steps/{step_slug}/reopen) need admin scope.
@@ -84,7 +84,7 @@ class AccessControl:
                 if authorization is None:
                     authorization = value.decode("latin-1")
             elif name == b"cookie":
-                cookie = pages.token_from_cookie(value.decode("latin-1"), secure) or cookie
+                cookie = signin.token_from_cookie(value.decode("latin-1"), secure) or cookie
             elif name in PROXY_HEADERS:
                 proxied = True
         needed = needed_scope(scope["method"], scope["path"])
@@ -110,8 +110,8 @@ class AccessControl:
             finally:
                 shares.PRINCIPAL.reset(principal)
             return
-        if problem.status == 401 and pages.asks_for_login(scope):
-            await pages.login_page(scope, problem.detail)(scope, receive, send)
+        if problem.status == 401 and signin.asks_for_login(scope):
+            await signin.login_page(scope, problem.detail)(scope, receive, send)
             return
         response = problem_response(problem)
         if problem.status == 401:

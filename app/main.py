@@ -27,7 +27,7 @@ from app.core import problems, shares, tracing
 from app.core.config import Settings
 from app.core.db import DatabaseUnavailable, Pool
 from app.core.domain import SchemaMissing
-from app.dashboard import pages
+from app.dashboard import pages, rendering
 from app.data import placement
 from app.ops import observe, pruning, readiness, replica, server, sweeper
 from app.ops.nodes import Nodes
@@ -107,10 +107,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.database_url is None:
             raise RuntimeError("DATABASE_URL is not set (`steprecord serve` sets it for you)")
         primary_url = settings.database_url.get_secret_value()
-        # A page rendered in a thread (app/dashboard/pages.py) gives the event loop the
+        # A page rendered in a thread (app/dashboard/rendering.py) gives the event loop the
         # interpreter back within a millisecond, not Python's default 5: each request the loop
         # serves meanwhile waits for it several times (accepting, reading, each query, answering).
-        sys.setswitchinterval(pages.SWITCH_SECONDS)
+        sys.setswitchinterval(rendering.SWITCH_SECONDS)
         # Tracing on: this worker exports its spans from now until it stops (app/core/tracing.py).
         tracer = None if provider is None else tracing.start(provider)
 

@@ -35,7 +35,7 @@ from steprecord_client.celery import step_slug_for
 
 from app.core import tracing
 from app.core.config import Settings
-from app.dashboard import pages as ui
+from app.dashboard import formatting as ui
 from app.data.common import constraint_name
 from app.main import alembic_config, create_app
 from tests import celery_traced_tasks

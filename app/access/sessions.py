@@ -13,6 +13,18 @@ import hashlib
 import hmac
 import re
 
+# The session's cookie: over https `__Host-` prefixed (the browser keeps it only when it is
+# Secure, for this host alone, on path `/`: no other host of the domain, and no page over
+# http, can set or shadow it); over plain http, where a cookie cannot be Secure and so
+# cannot have the prefix, the plain name. A request over https reads only the prefixed one.
+COOKIE = "steprecord_ui_token"
+SECURE_COOKIE = "__Host-" + COOKIE
+
+
+def cookie_name(secure: bool) -> str:
+    return SECURE_COOKIE if secure else COOKIE
+
+
 SESSION_RE = re.compile(r"(\d{1,19})\.(\d{1,12})\.([A-Za-z0-9_-]{43})", re.ASCII)
 
 

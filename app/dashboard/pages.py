@@ -1,68 +1,62 @@
 """The built-in dashboard at `/ui`: read-only pages rendered on the server from the data module.
 
-Templates are Jinja2 with autoescaping, so a step's output, error or key is always text, never
-markup. The stylesheet and the small live-update script are served by the service itself.
-Access (README, "Dashboard"): the API's rules, plus a read token kept in an HttpOnly cookie.
+The pages are here; what they show in words is `formatting`, the templates' environment and
+the render `rendering`, the sign-in `signin`. The stylesheet and the small live-update script
+are served by the service itself.
 """
 
 import asyncio
-import json
 import math
-import re
-from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, quote, urlsplit
+from urllib.parse import quote
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import HTMLResponse, RedirectResponse, Response
-from jinja2 import Environment, FileSystemLoader
-from starlette.concurrency import run_in_threadpool
+from fastapi.responses import HTMLResponse, Response
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.access import sessions, tenancy
+from app.access import tenancy
 from app.api.bodies import label_filter
 from app.core import cursors, domain, static
 from app.core.db import AsyncConn
 from app.core.limits import KEY_PREFIX_RE, KEY_RE, NAME_RE
 from app.core.problems import Problem
-from app.core.serialize import timestamp
-from app.core.shown import shown
+from app.dashboard import signin
 from app.dashboard import timeline as timescale
-from app.dashboard.timeline import Scale, duration
+from app.dashboard.formatting import (
+    iso,
+    label,
+    mark,
+    millis,
+    path,
+    pretty,
+    pretty_head,
+    reason_after,
+    step_label,
+    tip,
+    took,
+    unleased_for,
+    utc,
+)
+from app.dashboard.rendering import (
+    ASSETS,
+    GLYPHS,
+    RENDERS_AT_ONCE,
+    not_found,
+    render,
+    render_aside,
+)
+from app.dashboard.timeline import duration
 from app.data import dashboard, reads, repairs, running, stats
 from app.ops.replica import ReadPool
 
-HERE = Path(__file__).resolve().parent
-ASSETS = HERE / "assets"
-# The session's cookie: over https `__Host-` prefixed (the browser keeps it only when it is
-# Secure, for this host alone, on path `/`: no other host of the domain, and no page over
-# http, can set or shadow it); over plain http, where a cookie cannot be Secure and so
-# cannot have the prefix, the plain name. A request over https reads only the prefixed one.
-COOKIE = "steprecord_ui_token"
-SECURE_COOKIE = "__Host-" + COOKIE
-
-
-def cookie_name(secure: bool) -> str:
-    return SECURE_COOKIE if secure else COOKIE
-
-
-CSS = static.url("ui", "ui.css")
-JS = static.url("ui", "ui.js")
-LOGIN = "/ui/login"
-LOGOUT = "/ui/logout"
-# The login form checks the token itself, so it needs none (nor write scope for its POST);
-# signing out only forgets the cookie.
-OPEN_PATHS = frozenset({CSS, JS, LOGIN, LOGOUT})
 PAGE_SIZE = 50
 MAX_STEPS = 1000  # the most steps an instance page shows; the API lists any number
 LIST_SIZE = 100
 STATS_SIZE = 100  # step names on the statistics page, most attempts first
-MAX_LOGIN_BYTES = 4096
 # The timeline's lanes and axis, in pixels (its scale: app/dashboard/timeline.py).
 LANE, AXIS = 18, 34
 # A lane's label, in characters: what fits its share of the timeline (`timeline.LABEL`) on a
@@ -72,15 +66,6 @@ LANE_CHARS, NARROW_LANE_CHARS = 28, 20
 # view (`content-visibility: auto`); ROW_HEIGHT is a table row's estimated height in pixels.
 CHUNK = 100
 ROW_HEIGHT = 27
-GLYPHS = {
-    "pending": "○",
-    "running": "▶",
-    "completed": "✓",
-    "failed": "✗",
-    "superseded": "↷",
-    "swept": "⊘",
-}
-
 router = APIRouter(include_in_schema=False)
 
 
@@ -89,68 +74,6 @@ def read_connection(request: Request) -> AbstractAsyncContextManager[AsyncConn]:
     read replica while it is healthy, else the primary; see app/ops/replica.py)."""
     reads: ReadPool = request.app.state.read_pool
     return reads.connection()
-
-
-# --- formatting ------------------------------------------------------------------------
-
-
-def utc(value: datetime | None) -> str:
-    if value is None:
-        return ""
-    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def iso(value: datetime | None) -> str:
-    return "" if value is None else timestamp(value)
-
-
-def millis(value: datetime | None) -> str:
-    return "" if value is None else str(round(value.timestamp() * 1000))
-
-
-def took(start: datetime | None, end: datetime | None, now: datetime) -> str:
-    """How long an attempt ran (so far, when it is still running)."""
-    if start is None:
-        return ""
-    return duration(((end or now) - start).total_seconds())
-
-
-def ago(value: datetime | None, now: datetime) -> str:
-    return "" if value is None else duration((now - value).total_seconds()) + " ago"
-
-
-def pretty(output: str | None) -> str:
-    """A stored output (JSON text), indented for reading."""
-    return "" if output is None else json.dumps(json.loads(output), indent=2, ensure_ascii=False)
-
-
-# A JSON text's tokens: a string (perhaps cut before its closing quote), a punctuator, or a
-# run of anything else (a number, true, false, null); whitespace between them is dropped.
-JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?$)|[{}\[\],:]|[^\s{}\[\],:"]+')
-
-
-def pretty_head(text: str) -> str:
-    """The first part of a JSON text, cut anywhere, indented as `pretty` indents a whole one:
-    a line per member and element, two spaces a level, strings kept as they are."""
-    out: list[str] = []
-    depth = 0
-    tokens = JSON_TOKEN.findall(text)
-    for index, token in enumerate(tokens):
-        following = tokens[index + 1] if index + 1 < len(tokens) else ""
-        if token in ("{", "["):
-            depth += 1
-            out.append(token if following in ("}", "]") else token + "\n" + "  " * depth)
-        elif token in ("}", "]"):
-            depth = max(depth - 1, 0)
-            empty = index > 0 and tokens[index - 1] in ("{", "[")
-            out.append(token if empty else "\n" + "  " * depth + token)
-        elif token == ",":
-            out.append(",\n" + "  " * depth)
-        elif token == ":":
-            out.append(": ")
-        else:
-            out.append(token)
-    return "".join(out)
 
 
 def shown_attempt(attempt: dict[str, Any], api: str) -> dict[str, Any]:
@@ -170,87 +93,6 @@ def shown_attempt(attempt: dict[str, Any], api: str) -> dict[str, Any]:
     else:
         attempt["output"] = None if size is None else pretty(attempt["output"])
     return attempt
-
-
-def link_url(url: str | None) -> str | None:
-    """`url` when it may be a link (http or https only), else None: it is then shown as text."""
-    if url is None:
-        return None
-    try:
-        scheme = urlsplit(url.strip()).scheme.lower()
-    except ValueError:
-        return None
-    return url if scheme in ("http", "https") else None
-
-
-def mark(status: str, error_code: str | None = None) -> str:
-    """The class that styles a status: a swept attempt (its lease expired) is marked apart."""
-    return "swept" if status == "failed" and error_code == "lease_expired" else status
-
-
-def trace_link(template: str | None, trace_id: str) -> str | None:
-    """The link to an attempt's trace: STEPRECORD_TRACE_URL with the id in place of
-    `{trace_id}` (URL-escaped); None without a template (the id is then shown as text)."""
-    return None if template is None else template.replace("{trace_id}", quote(trace_id, safe=""))
-
-
-def path(*parts: str) -> str:
-    return "/ui/" + "/".join(quote(part, safe="") for part in parts)
-
-
-def _finalize(value: Any) -> Any:
-    """Every value a template prints, before it is escaped: client text with its terminal
-    escapes and bidirectional controls shown, never acted on (app/core/shown.py)."""
-    if type(value) is str:  # not Markup: what the templates themselves made
-        return shown(value)
-    return value
-
-
-ENV = Environment(
-    loader=FileSystemLoader(HERE / "templates"),
-    autoescape=True,
-    trim_blocks=True,
-    lstrip_blocks=True,
-    finalize=_finalize,
-)
-ENV.filters.update(
-    utc=utc, iso=iso, millis=millis, pretty=pretty, step_label=lambda s: step_label(s)
-)
-ENV.globals.update(
-    CSS=CSS, JS=JS, LOGOUT=LOGOUT, LOGIN=LOGIN, GLYPHS=GLYPHS, link_url=link_url, mark=mark,
-    path=path, took=took, ago=ago, trace_link=trace_link,
-)  # fmt: skip
-
-
-def render(
-    request: Request | None, template: str, http_status: int = 200, **context: Any
-) -> HTMLResponse:
-    signed_in = (
-        request is not None and cookie_name(request.url.scheme == "https") in request.cookies
-    )
-    html = ENV.get_template(template).render(now=datetime.now(UTC), signed_in=signed_in, **context)
-    return HTMLResponse(html, status_code=http_status)
-
-
-# Large pages (an instance's timeline, a step's attempts) are built and rendered in a thread,
-# this many at a time per worker: the event loop goes on serving other requests meanwhile
-# (the thread hands it the interpreter back within `SWITCH_SECONDS`), and three large pages
-# asked at once take turns rather than three threads' worth of the loop's time.
-RENDERS_AT_ONCE = 1
-SWITCH_SECONDS = 0.001  # the worker's interpreter switch interval (app/main.py)
-
-
-async def render_aside(
-    request: Request, build: Callable[[], dict[str, Any]], template: str
-) -> HTMLResponse:
-    """`template` rendered with what `build()` returns, both in a thread (see above)."""
-    gate: asyncio.Semaphore = request.app.state.rendering
-    async with gate:
-        return await run_in_threadpool(lambda: render(request, template, **build()))
-
-
-def not_found(request: Request, what: str) -> HTMLResponse:
-    return render(request, "message.html", 404, title="Not found", message=what)
 
 
 # --- the timeline ----------------------------------------------------------------------
@@ -294,129 +136,6 @@ class Row:
     error_line: str
     updated: str
     unleased: str = ""  # running without a lease past STEPRECORD_LONG_RUNNING_AFTER: for how long
-
-
-def label(status: str, error_code: str | None) -> str:
-    """A status in words, as a badge shows it after its glyph."""
-    return "failed, lease expired" if mark(status, error_code) == "swept" else status
-
-
-def shorten(name: str, size: int = 28) -> str:
-    return name if len(name) <= size else name[: size - 1] + "…"
-
-
-# A Celery task's slug (steprecord_client.celery): "<task name>:<task id, a UUID>".
-CELERY_SLUG = re.compile(
-    r"(?P<name>[A-Za-z0-9][A-Za-z0-9._:-]*):"
-    r"(?P<id>[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12})"
-)
-# A mapped task's slug (steprecord_client.airflow): "<task id>:<map index, digits>". Its step
-# name (as `/v1/stats/steps` groups it) is the part before the last colon.
-MAPPED_SLUG = re.compile(r"(?P<name>[A-Za-z0-9][A-Za-z0-9._:-]*):(?P<index>[0-9]+)")
-
-
-def slug_parts(slug: str) -> tuple[str, str, str] | None:
-    """``("celery", task name, task id)``, ``("mapped", task id, map index)`` or ``None``
-    for a slug of neither shape."""
-    match = CELERY_SLUG.fullmatch(slug)
-    if match is not None:
-        return "celery", match["name"], match["id"]
-    match = MAPPED_SLUG.fullmatch(slug)
-    if match is not None:
-        return "mapped", match["name"], match["index"]
-    return None
-
-
-def cut_name(name: str, room: int) -> str:
-    """A step name in at most `room` characters: whole when it fits; else its leading dotted
-    parts (a module's path) left out first (`…tasks.fetch_order`), then its end cut."""
-    if len(name) <= room:
-        return name
-    parts = name.split(".")
-    for start in range(1, len(parts)):
-        tail = "…" + ".".join(parts[start:])
-        if len(tail) <= room:
-            return tail
-    return shorten("…" + parts[-1] if len(parts) > 1 else name, max(room, 2))
-
-
-def step_label(slug: str, size: int | None = None) -> str:
-    """A step's name as the dashboard shows it, the name first: a Celery task's slug as its
-    task name and the first 8 characters of its id (`shop.charge:1a2b3c4d…`; pages give the
-    full slug on hover and on the step page), any other slug as it is. With ``size``,
-    shortened to that many characters by cutting what follows the name first: a Celery task's
-    id to fewer characters (at least 4: `shop.tasks.fetch_order:0000…`); the name only when it
-    alone does not fit (see `cut_name`), and never a mapped task's map index (`load:17`)."""
-    parts = slug_parts(slug)
-    if parts is None:
-        return slug if size is None else shorten(slug, size)
-    kind, name, ident = parts
-    if kind == "mapped":
-        return (
-            name + ":" + ident
-            if size is None
-            else cut_name(name, size - len(ident) - 1) + ":" + ident
-        )
-    if size is None:
-        return f"{name}:{ident[:8]}…"
-    name = cut_name(name, size - 6)  # room for ":", 4 characters of the id and "…"
-    return f"{name}:{ident[: min(size - len(name) - 2, 8)]}…"
-
-
-ENV.filters["step_label"] = step_label
-ENV.globals["slug_parts"] = slug_parts
-
-
-def error_reason(message: str | None) -> str:
-    """The line of an error message that says why, for a page that reads whole messages: for a
-    Python traceback its last line that is not blank (the exception), else its first line;
-    `dashboard.ERROR_LINE` picks the same line in SQL for the instance page."""
-    if not message:
-        return ""
-    if dashboard.TRACEBACK in message:
-        return message.rstrip().rpartition("\n")[2].strip()
-    return message.partition("\n")[0]
-
-
-ENV.filters["reason"] = error_reason
-
-
-def reason_after(code: str | None, line: str | None) -> str:
-    """An error's line as it reads after its code: without the code when it starts with it
-    (a Python exception's `ValueError: no rows` after the code `ValueError`)."""
-    line = line or ""
-    return line[len(code) + 2 :] if code and line.startswith(code + ": ") else line
-
-
-def tip(slug: str, attempt: dict[str, Any], scale: Scale, now: datetime) -> str:
-    """An attempt's bar in words, one fact a line: what, when (after the run's first start,
-    and in UTC), how long, and its error's first line."""
-    start, end, code = attempt["started_at"], attempt["completed_at"], attempt["error_code"]
-    lines = [
-        f"{step_label(slug)}, attempt {attempt['attempt']}: {label(attempt['status'], code)}",
-        f"started {offset_of(scale, start)} ({utc(start)})",
-        (f"ended {offset_of(scale, end)}, took " if end else "running for ")
-        + took(start, end, now),
-    ]
-    if (code and code != "lease_expired") or attempt["error_line"]:
-        why = reason_after(code, attempt["error_line"])
-        lines.append("error: " + ": ".join(part for part in (code, why) if part))
-    return "\n".join(lines)
-
-
-def offset_of(scale: Scale, moment: datetime) -> str:
-    return "+" + duration((moment - scale.first).total_seconds())
-
-
-def unleased_for(record: dict[str, Any], now: datetime, after: timedelta | None) -> str:
-    """How long a step has run without a lease when that is longer than `after`
-    (STEPRECORD_LONG_RUNNING_AFTER: nothing fails it if its worker is gone), else ""."""
-    started = record["started_at"]
-    if after is None or record["status"] != "running" or record["lease_expires_at"] is not None:
-        return ""
-    if started is None or now - started <= after:
-        return ""
-    return took(started, None, now)
 
 
 def timeline(
@@ -875,148 +594,6 @@ def _ms_words(value: float | None) -> str:
     return "" if value is None else duration(value / 1000)
 
 
-# --- signing in ------------------------------------------------------------------------
-
-
-def asks_for_login(scope: Scope) -> bool:
-    """Whether a refused request is a page of the dashboard, answered with the login form."""
-    path_ = scope["path"]
-    return scope["method"] in ("GET", "HEAD") and (path_ == "/ui" or path_.startswith("/ui/"))
-
-
-def _safe_next(target: str | None) -> str:
-    """Where to go after signing in: a dashboard page of this service, never elsewhere."""
-    if not target or "\\" in target or "//" in target or ".." in target:
-        return "/ui"
-    return target if target == "/ui" or target.startswith(("/ui/", "/ui?")) else "/ui"
-
-
-def login_page(
-    scope: Scope, detail: str | None, status: int = 401, target: str | None = None
-) -> HTMLResponse:
-    """A dashboard page refused for want of a token: the form asking for one, then back to
-    the page. `detail` is the refusal's wording for programs, "what to send; why": the page
-    tells a person what to do instead, and shows only the why."""
-    if target is None:
-        query = scope.get("query_string", b"").decode("latin-1")
-        target = scope["path"] + (f"?{query}" if query else "")
-    secure = scope.get("scheme") == "https"
-    kept = any(
-        name == b"cookie" and token_from_cookie(value.decode("latin-1"), secure) is not None
-        for name, value in scope["headers"]
-    )
-    reason = (detail or "").partition("; ")[2]
-    message = None
-    if kept:
-        message = "The token this browser kept is unknown or revoked: paste a current one."
-    elif reason:
-        message = f"{reason[0].upper()}{reason[1:]}."
-    return _login_form(message, status, target)
-
-
-def _login_form(message: str | None, status: int, target: str | None) -> HTMLResponse:
-    """The form asking for a read token; after it, the browser goes to `target`."""
-    return render(
-        None, "login.html", status, title="Sign in", message=message, next=_safe_next(target)
-    )
-
-
-def token_from_cookie(header: str, secure: bool) -> str | None:
-    """The dashboard's session from a `Cookie` header of a request over https (`secure`) or
-    plain http, if it carries one under that scheme's name."""
-    wanted = cookie_name(secure)
-    for part in header.split(";"):
-        name, _, value = part.strip().partition("=")
-        if name == wanted and value:
-            return value
-    return None
-
-
-@router.get(LOGIN)
-async def login_form(request: Request) -> Response:
-    return _login_form(None, 200, request.query_params.get("next"))
-
-
-def same_origin(request: Request) -> bool:
-    """Whether a form was posted from a page of this service: its `Origin` (or, without one,
-    its `Referer`) names the host the request was sent to (`Host`, or `X-Forwarded-Host` as
-    a proxy passes it on). A browser always sends one of them with a form's POST, and another
-    site's page cannot make it name this service."""
-    origin = request.headers.get("origin") or request.headers.get("referer")
-    if not origin or origin == "null":
-        return False
-    netloc = urlsplit(origin).netloc.lower()
-    hosts = [request.headers.get("host") or ""]
-    hosts += (request.headers.get("x-forwarded-host") or "").split(",")
-    return bool(netloc) and netloc in {host.strip().lower() for host in hosts}
-
-
-CROSS_SITE = (
-    "This form was sent from another site, or without saying where from: open the dashboard"
-    " itself and sign in there."
-)
-
-
-def _cookie_flags(request: Request) -> dict[str, Any]:
-    # `Secure` when the request came over https: directly, or through a proxy the operator
-    # trusts (STEPRECORD_TRUSTED_PROXIES; the server takes the scheme from its header).
-    return {
-        "httponly": True,
-        "samesite": "strict",
-        "path": "/",
-        "secure": request.url.scheme == "https",
-    }
-
-
-@router.post(LOGIN)
-async def login(request: Request) -> Response:
-    body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_LOGIN_BYTES:
-            return _login_form("That is not a token.", 413, "/ui")
-    form = parse_qs(body.decode("utf-8", "replace"))
-    target = _safe_next((form.get("next") or [""])[0])
-    if not same_origin(request):
-        return _login_form(CROSS_SITE, 403, target)
-    token = (form.get("token") or [""])[0].strip()
-    grant = request.app.state.tokens.grant_of(token) if token else None
-    if grant is None:
-        return _login_form("That token is unknown or revoked.", 401, target)
-    seconds = request.app.state.session_seconds
-    expires = int(datetime.now(UTC).timestamp() + seconds)
-    session = sessions.sign(request.app.state.session_secret, grant.token_id, grant.digest, expires)
-    response = RedirectResponse(target, status_code=303)
-    flags = _cookie_flags(request)
-    response.set_cookie(cookie_name(flags["secure"]), session, max_age=int(seconds), **flags)
-    return response
-
-
-@router.get(LOGOUT)
-async def logout_page(request: Request) -> Response:
-    """Signing out is a POST (the Log out button): a link or an image on another site must
-    not sign anyone out. A GET only says so."""
-    response = render(
-        request,
-        "message.html",
-        405,
-        title="Sign out",
-        message="Signing out is done with the Log out button at the top of each page.",
-    )
-    response.headers["Allow"] = "POST"
-    return response
-
-
-@router.post(LOGOUT)
-async def logout(request: Request) -> Response:
-    if not same_origin(request):
-        return render(request, "message.html", 403, title="Sign out", message=CROSS_SITE)
-    response = RedirectResponse("/ui", status_code=303)
-    flags = _cookie_flags(request)
-    response.delete_cookie(cookie_name(flags["secure"]), **flags)
-    return response
-
-
 # Sent with every dashboard page (the sign-in form and refusals included): no other site may
 # frame it (clickjacking), it loads and sends nothing but this service's own files and forms,
 # and neither the browser nor a proxy keeps a copy of a page.
@@ -1060,4 +637,4 @@ def install(app: FastAPI) -> None:
     app.state.rendering = asyncio.Semaphore(RENDERS_AT_ONCE)
     # The routes themselves, not an included router: every route of the app is then one entry
     # of `app.routes` (the unknown-route advice in app/core/problems.py reads them).
-    app.router.routes.extend(router.routes)
+    app.router.routes.extend([*router.routes, *signin.router.routes])
