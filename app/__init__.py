@@ -14,7 +14,8 @@ The packages, each importing only the ones before it (tests/test_layers.py check
 - `dashboard`: the pages at `/ui`, their formatting, rendering, timeline, templates and
   assets, and the sign-in;
 - `gate`: the access check in front of every route;
-- `main` wires them into the app, and `cli` is the `steprecord` command.
+- `main` wires them into the app, and `cli` is the `steprecord` command, a module per
+  subcommand.
 
 One event, from request to row (`POST /v1/instances/{key}/steps/{slug}/start`):
 `app/gate.py` lets the request in (`app/access/tokens.py`: its token, its `Admission`);

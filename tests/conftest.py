@@ -18,7 +18,7 @@ import psycopg
 import pytest
 from playwright.sync_api import Browser, Page
 
-from app.cli import migrate
+from app.cli.migrate import migrate
 from app.ops.embedded import EmbeddedPostgres
 from tests.support.browser import chromium_browser
 from tests.support.citus import CitusCluster, citus_bin_path, citus_cluster

@@ -13,7 +13,7 @@ import pytest
 from alembic import command
 
 from app.access.tokens import new_token
-from app.cli import migrate
+from app.cli.migrate import migrate
 from app.main import alembic_config
 from tests.support import ROOT
 from tests.support.citus import has_citus

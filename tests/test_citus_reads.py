@@ -16,7 +16,7 @@ import pytest
 from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
 
-from app.cli import migrate
+from app.cli.migrate import migrate
 from app.core.db import Pool
 from app.data import dashboard, placement, reads, retention, running, stats
 from tests.bench.plans import NOW, load

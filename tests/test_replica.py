@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
-from app.cli import migrate
+from app.cli.migrate import migrate
 from app.live import MAX_BEHIND_SECONDS
 from app.ops.embedded import EmbeddedPostgres
 from app.ops.replica import check_interval

@@ -10,7 +10,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import CheckConstraint, ForeignKeyConstraint, UniqueConstraint
 
-from app.cli import migrate
+from app.cli.migrate import migrate
 from app.core.db import sync_engine
 from app.core.tables import metadata
 from app.data import reads, running, stats

@@ -15,7 +15,7 @@ import pytest
 from alembic.util import CommandError
 
 import app.main
-from app.cli import migrate
+from app.cli.migrate import migrate
 from app.data.revision import MIGRATION_LOCK
 from app.main import create_app, schema_head
 from app.ops.embedded import EmbeddedPostgres

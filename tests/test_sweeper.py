@@ -6,7 +6,7 @@ import time
 import httpx
 import psycopg
 
-from app.cli import migrate
+from app.cli.migrate import migrate
 from app.ops.embedded import EmbeddedPostgres
 from tests.support.metrics import counter
 from tests.support.servers import start_server, stop

@@ -21,7 +21,7 @@ from playwright.sync_api import Browser, Page, expect
 from steprecord_client import fit_message
 
 from app.access import sessions
-from app.cli import migrate
+from app.cli.migrate import migrate
 from app.core.shown import shown
 from app.data import dashboard, reads
 from tests.support.browser import screenshot

@@ -63,7 +63,7 @@ import psycopg  # noqa: E402
 from psycopg import sql  # noqa: E402
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
-from app.cli import migrate  # noqa: E402
+from app.cli.migrate import migrate  # noqa: E402
 from app.data import judge  # noqa: E402
 from app.ops.distribution import SHARD_COUNT  # noqa: E402
 from app.ops.embedded import EmbeddedPostgres  # noqa: E402

@@ -60,7 +60,7 @@ if str(ROOT) not in sys.path:
 import psycopg  # noqa: E402
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
-from app.cli import migrate  # noqa: E402
+from app.cli.migrate import migrate  # noqa: E402
 from tests.bench import citus, plans, run  # noqa: E402
 from tests.bench.citus import CALL, PICK, REPLAY_STEPS, Side  # noqa: E402
 from tests.bench.run import Load  # noqa: E402
