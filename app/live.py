@@ -13,7 +13,7 @@ counted in the database (app/data/stream.py), and reads on at once; the stream w
 event at a time, and the server takes the next only once the client has read enough of the
 last. So a stream holds about one read's records, however large the instance, and one whose
 client stops reading waits with them until the server's send deadline ends its connection
-(`STEPRECORD_SEND_TIMEOUT_SECONDS`, app/server.py).
+(`STEPRECORD_SEND_TIMEOUT_SECONDS`, app/ops/server.py).
 
 Streams of one instance share their reads. A stream that wants to read joins the read of its
 instance that is about to run (waiting for a connection, its statement not sent yet) or
@@ -69,13 +69,14 @@ from psycopg.rows import dict_row
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import access, domain
+from app.access import tokens
+from app.core import domain
+from app.core.db import AsyncConn, DatabaseUnavailable
+from app.core.problems import validation_problem
+from app.core.serialize import dumps, record_json
 from app.data import replication, stream
-from app.db import AsyncConn, DatabaseUnavailable
-from app.errors import validation_problem
-from app.observe import STREAMS_OPEN
-from app.replica import ReadPool
-from app.serialize import dumps, record_json
+from app.ops.observe import STREAMS_OPEN
+from app.ops.replica import ReadPool
 
 log = logging.getLogger("steprecord.live")
 
@@ -474,7 +475,7 @@ async def sse_body(
             if changes is not None:
                 # One event per write: the server waits for a client that reads slowly
                 # before it takes the next, so the stream holds at most one event in its
-                # connection's buffer (and ends when its client stops reading: app/server.py).
+                # connection's buffer (and ends when its client stops reading: app/ops/server.py).
                 for frame in changes.frames:
                     yield frame
                 if changes.frames:
@@ -573,7 +574,7 @@ class Openings:
         if scope["type"] != "http" or not _is_stream(scope["path"]):
             await self.app(scope, receive, send)
             return
-        holder = access.admission_of(scope).holder
+        holder = tokens.admission_of(scope).holder
         slots, users = self._gates.setdefault(holder, (asyncio.Semaphore(OPENING_AT_ONCE), [0]))
         users[0] += 1
         try:

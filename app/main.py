@@ -16,30 +16,22 @@ from alembic.script import ScriptDirectory
 from fastapi import FastAPI
 from psycopg.conninfo import make_conninfo
 
-from app import (
-    __version__,
-    docs,
-    errors,
-    live,
-    observe,
-    pruning,
-    readiness,
-    replica,
-    routes,
-    schemas,
-    server,
-    shares,
-    sweeper,
-    tracing,
-    ui,
-)
-from app.access import AccessControl, Tokens
-from app.config import Settings
+# The order these load in decides the order of one enum in the OpenAPI document: the status
+# filter's `Literal["running", "failed"] | None` (app/api/routes/instances.py) and
+# `reads.Trouble | None` (app/data/reads.py) are one entry of typing's union cache, so the one
+# made while the other is still cached takes its order. tests/test_openapi.py catches a change.
+from app import __version__, gate, live
+from app.access.tokens import Tokens
+from app.api import docs, routes, spec
+from app.core import problems, shares, tracing
+from app.core.config import Settings
+from app.core.db import DatabaseUnavailable, Pool
+from app.core.domain import SchemaMissing
+from app.dashboard import pages, rendering
 from app.data import placement
-from app.db import DatabaseUnavailable, Pool
-from app.domain import SchemaMissing
-from app.nodes import Nodes
-from app.observe import Observe
+from app.ops import observe, pruning, readiness, replica, server, sweeper
+from app.ops.nodes import Nodes
+from app.ops.observe import Observe
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -115,11 +107,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.database_url is None:
             raise RuntimeError("DATABASE_URL is not set (`steprecord serve` sets it for you)")
         primary_url = settings.database_url.get_secret_value()
-        # A page rendered in a thread (app/ui.py) gives the event loop the interpreter back
-        # within a millisecond, not Python's default 5: each request the loop serves meanwhile
-        # waits for it several times (accepting, reading, each query, answering).
-        sys.setswitchinterval(ui.SWITCH_SECONDS)
-        # Tracing on: this worker exports its spans from now until it stops (app/tracing.py).
+        # A page rendered in a thread (app/dashboard/rendering.py) gives the event loop the
+        # interpreter back within a millisecond, not Python's default 5: each request the loop
+        # serves meanwhile waits for it several times (accepting, reading, each query, answering).
+        sys.setswitchinterval(rendering.SWITCH_SECONDS)
+        # Tracing on: this worker exports its spans from now until it stops (app/core/tracing.py).
         tracer = None if provider is None else tracing.start(provider)
 
         share = settings.pool_share_per_token or shares.default_share(settings.pool_size)
@@ -220,11 +212,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         routes=routes.ROUTES,
         docs_url=None,
         redoc_url=None,
-        # A trailing slash answers 307 with a problem naming the right URL (app/errors.py).
+        # A trailing slash answers 307 with a problem naming the right URL (app/core/problems.py).
         redirect_slashes=False,
     )
     docs.install(app)
-    ui.install(app)
+    pages.install(app)
     app.state.trace_url = settings.trace_url  # the dashboard's links to traces
     app.state.long_running_after = settings.long_running_after
     # The dashboard's sessions: signed with the configured secret, or one of this process.
@@ -233,14 +225,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         secrets.token_bytes(32) if secret is None else secret.get_secret_value().encode()
     )
     app.state.session_seconds = settings.session_seconds
-    errors.install(app)
+    problems.install(app)
     # Streams opening at once wait their turn, per token: inside the access check, so a
     # request without a valid token never waits there, and one token delays only its own.
     app.add_middleware(live.Openings)
-    app.add_middleware(AccessControl)
-    app.add_middleware(ui.DashboardHeaders)  # outside the access check: its 401 page too
+    app.add_middleware(gate.AccessControl)
+    app.add_middleware(pages.DashboardHeaders)  # outside the access check: its 401 page too
     app.add_middleware(Observe)
-    # An answer before the body was read ends its connection (app/server.py), whoever answers.
+    # An answer before the body was read ends its connection (app/ops/server.py), whoever answers.
     app.add_middleware(server.CloseAfterEarlyAnswer)
     # Server spans, outside every other middleware, only when tracing is on.
     app.state.tracing = provider = tracing.instrument(app)
@@ -248,8 +240,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = schemas.with_security(
-                schemas.problem_media_types(schemas.hoist_defs(FastAPI.openapi(app)))
+            app.openapi_schema = spec.with_security(
+                spec.problem_media_types(spec.hoist_defs(FastAPI.openapi(app)))
             )
         return app.openapi_schema
 

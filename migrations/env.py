@@ -1,17 +1,17 @@
-"""Alembic environment: runs migrations on one connection from `app.db.sync_engine`."""
+"""Alembic environment: runs migrations on one connection from `app.core.db.sync_engine`."""
 
 import sys
 
 from alembic import context
 from sqlalchemy import Connection
 
-from app.config import Settings
+from app.core.config import Settings
+from app.core.db import sync_engine
+from app.core.tables import metadata
 from app.data.revision import MIGRATION_LOCK
 from app.data.roles import keep_grants
-from app.db import sync_engine
-from app.distribution import distribute, has_citus, reaching_workers
 from app.main import COMPATIBLE_AHEAD
-from app.models import metadata
+from app.ops.distribution import distribute, has_citus, reaching_workers
 
 config = context.config
 
@@ -41,7 +41,7 @@ def upgrade_on(connection: Connection) -> None:
         at = f"at revision {current}" if current else "never migrated"
         with reaching_workers(f"migrate the database ({at}) to revision {target}"):
             context.run_migrations()
-        # On Citus, distribute what is not distributed yet (app/distribution.py); nothing
+        # On Citus, distribute what is not distributed yet (app/ops/distribution.py); nothing
         # on one node. In the same transaction, under the same lock.
         with reaching_workers("distribute the schema on the Citus cluster"):
             distribute(connection)

@@ -18,8 +18,8 @@ import psycopg
 import pytest
 from playwright.sync_api import Browser, Page
 
-from app.cli import migrate
-from app.embedded import EmbeddedPostgres
+from app.cli.migrate import migrate
+from app.ops.embedded import EmbeddedPostgres
 from tests.support.browser import chromium_browser
 from tests.support.citus import CitusCluster, citus_bin_path, citus_cluster
 from tests.support.databases import (

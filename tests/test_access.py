@@ -12,8 +12,8 @@ import psycopg
 import pytest
 from alembic import command
 
-from app.access import new_token
-from app.cli import migrate
+from app.access.tokens import new_token
+from app.cli.migrate import migrate
 from app.main import alembic_config
 from tests.support import ROOT
 from tests.support.citus import has_citus

@@ -7,7 +7,7 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from app.cli import migrate
+from app.cli.migrate import migrate
 from app.data.judge import APPLY_EVENT
 from app.data.repairs import REOPEN
 from tests.support.citus import CitusCluster, add_citus_nodes, on_node, rows_on_worker

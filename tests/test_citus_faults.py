@@ -7,7 +7,7 @@ from functools import partial
 import httpx
 import pytest
 
-from app.cli import migrate
+from app.cli.migrate import migrate
 from tests.support.citus import CitusCluster, one_key_per_worker
 from tests.support.databases import create_database, drop_database
 from tests.support.http import post, problem, record

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from alembic import command
 
-from app.cli import migrate
+from app.cli.migrate import migrate
 from app.main import alembic_config, schema_head
 from tests.support.citus import CitusCluster, one_key_per_worker
 from tests.support.databases import create_database, drop_database

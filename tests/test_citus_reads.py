@@ -16,9 +16,9 @@ import pytest
 from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
 
-from app.cli import migrate
+from app.cli.migrate import migrate
+from app.core.db import Pool
 from app.data import dashboard, placement, reads, retention, running, stats
-from app.db import Pool
 from tests.bench.plans import NOW, load
 from tests.support.citus import CitusCluster
 from tests.support.databases import create_database, drop_database

@@ -17,7 +17,7 @@ import httpx
 import psycopg
 import pytest
 
-from app.cli import migrate
+from app.cli.migrate import migrate
 from tests.support.citus import CitusCluster
 from tests.support.databases import create_database, drop_database
 from tests.support.servers import start_server, stop

@@ -11,7 +11,8 @@ from alembic import command
 from alembic.script import ScriptDirectory
 
 import app.main
-from app.cli import main, migrate
+from app.cli import main
+from app.cli.migrate import migrate
 from app.main import alembic_config, schema_head
 from tests.support.databases import revision_of
 from tests.support.servers import steprecord

@@ -4,7 +4,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 from pydantic import ValidationError
 
-from app.config import Settings, redact
+from app.core.config import Settings, redact
 
 FORMS = {
     "url userinfo": "postgresql://app:s3cret@db.internal:5432/steps",

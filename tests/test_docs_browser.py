@@ -12,8 +12,8 @@ import psycopg
 import pytest
 from playwright.sync_api import Browser, Page, Route
 
-from app.access import new_token
-from app.cli import migrate
+from app.access.tokens import new_token
+from app.cli.migrate import migrate
 from tests.support.databases import create_database, drop_database
 from tests.support.servers import start_server, stop
 

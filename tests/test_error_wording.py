@@ -17,10 +17,10 @@ from fastapi.routing import APIRoute
 from pydantic import AliasChoices
 from steprecord_client import Recorder, StepRecordError
 
-from app.access import new_token
+from app.access.tokens import new_token
 from app.cli import main
-from app.config import Settings
-from app.errors import TITLES, Problem
+from app.core.config import Settings
+from app.core.problems import TITLES, Problem
 from app.main import create_app
 from tests.support import ROOT
 from tests.support.http import T1, post, problem, step_path

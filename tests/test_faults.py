@@ -19,8 +19,8 @@ import httpx
 import psycopg
 import pytest
 
-from app.access import new_token
-from app.db import Pool
+from app.access.tokens import new_token
+from app.core.db import Pool
 from tests.support import ROOT
 from tests.support.citus import citus_workers
 from tests.support.databases import lock_waits

@@ -10,9 +10,9 @@ from typing import Any
 import psycopg
 import pytest
 
+from app.core.tables import STATUSES
 from app.data import leases, reads
 from app.data.common import constraint_name
-from app.models import STATUSES
 from tests.support.citus import has_citus, node_of
 from tests.support.http import T1, T2
 from tests.support.plans import one_shard, task_plans

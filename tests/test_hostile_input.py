@@ -15,9 +15,9 @@ from urllib.parse import quote
 import httpx
 import pytest
 
+from app.api.routes.common import MAX_BATCH_DEPTH
+from app.core.serialize import MAX_DEPTH
 from app.main import create_app
-from app.routes.common import MAX_BATCH_DEPTH
-from app.serialize import MAX_DEPTH
 from tests.support.http import T1, T2, post, problem, record
 
 DOCUMENT: dict[str, Any] = create_app().openapi()

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from alembic import command
 
-from app.cli import migrate
+from app.cli.migrate import migrate
 from app.main import alembic_config
 from tests.support.citus import has_citus
 from tests.support.databases import migrated_database

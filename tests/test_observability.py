@@ -8,7 +8,7 @@ import httpx
 from fastapi import FastAPI
 from pydantic import SecretStr
 
-from app.config import Settings
+from app.core.config import Settings
 from app.main import create_app
 from tests.support.http import T1, T2, post, problem
 

@@ -12,7 +12,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from app.cli import openapi_json
+from app.cli.openapi import openapi_json
 from tests.support.http import T1, T2, post
 from tests.support.metrics import metric, metrics
 from tests.support.streams import WAIT

@@ -6,8 +6,8 @@ from typing import Any
 import httpx
 import psycopg
 
-from app.limits import MAX_MESSAGE_BYTES, MAX_OUTPUT_BYTES
-from app.serialize import MAX_PAGE_BYTES, dumps_page, loads, shown
+from app.core.limits import MAX_MESSAGE_BYTES, MAX_OUTPUT_BYTES
+from app.core.serialize import MAX_PAGE_BYTES, dumps_page, loads, shown
 from tests.support.http import post, step_path
 
 # `{"blob": "xx…x"}` as the database writes it: exactly the largest inline output.

@@ -25,9 +25,9 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from app import pruning
-from app.config import Settings
+from app.core.config import Settings
 from app.data import retention
+from app.ops import pruning
 from tests.support.databases import migrated_database
 from tests.support.http import T1, T2, T3, exists, post
 from tests.support.metrics import counter, metrics

@@ -11,9 +11,9 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row, tuple_row
 
+from app.core.domain import Order
+from app.core.serialize import dumps, page_json, record_json, timestamp
 from app.data import reads
-from app.domain import Order
-from app.serialize import dumps, page_json, record_json, timestamp
 from tests.bench import queries
 from tests.support.http import T1, T2, T3, post, problem, record
 
@@ -247,7 +247,7 @@ def test_a_page_from_the_page_function_renders_byte_for_byte_as_the_rows_query(
             f"INSERT INTO workflow_step_record ({columns}) VALUES ({marks})",
             [row[0], *values.values()],
         )
-    db.execute("SET TIME ZONE 'UTC'")  # as the service's connections are (app.db)
+    db.execute("SET TIME ZONE 'UTC'")  # as the service's connections are (app.core.db)
     params: dict[str, Any] = {
         "instance_key": "tricky-1",
         "statuses": None,

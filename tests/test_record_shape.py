@@ -1,4 +1,4 @@
-"""The record's shape is written once (app/record.py); everything that shows a record follows.
+"""The record's shape is written once (app/core/record.py); everything that shows a record follows.
 
 The database functions that answer records declare their columns in SQL, which cannot read
 Python: these tests hold each `RETURNS TABLE` to the one definition, column for column.
@@ -7,7 +7,8 @@ Python: these tests hold each `RETURNS TABLE` to the one definition, column for 
 import psycopg
 import pytest
 
-from app import record, schemas, serialize
+from app.api import spec as schemas
+from app.core import record, serialize
 from app.data.common import RECORD
 
 Conn = psycopg.Connection[tuple[object, ...]]

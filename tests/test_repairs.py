@@ -20,7 +20,8 @@ import pytest
 from alembic import command
 from steprecord_client import AsyncRecorder, Recorder, StaleAttempt
 
-from app.cli import migrate, writer_name
+from app.cli.migrate import migrate
+from app.cli.repair import writer_name
 from app.data.common import constraint_name
 from app.main import alembic_config
 from tests.support.citus import has_citus

@@ -17,10 +17,10 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
-from app.cli import migrate
-from app.embedded import EmbeddedPostgres
+from app.cli.migrate import migrate
 from app.live import MAX_BEHIND_SECONDS
-from app.replica import check_interval
+from app.ops.embedded import EmbeddedPostgres
+from app.ops.replica import check_interval
 from tests.support.databases import make_replica, server_directory
 from tests.support.metrics import counter, metric, metrics
 from tests.support.servers import start_server, stop

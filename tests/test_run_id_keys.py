@@ -9,8 +9,8 @@ import httpx
 import psycopg
 import pytest
 
+from app.core.problems import KEY_RULE, NAME_RULE
 from app.data.common import constraint_name
-from app.errors import KEY_RULE, NAME_RULE
 from tests.support.citus import has_citus
 from tests.support.http import T0, T1, T2, post, problem
 

@@ -10,12 +10,12 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import CheckConstraint, ForeignKeyConstraint, UniqueConstraint
 
-from app.cli import migrate
+from app.cli.migrate import migrate
+from app.core.db import sync_engine
+from app.core.tables import metadata
 from app.data import reads, running, stats
 from app.data.common import constraint_name
-from app.db import sync_engine
 from app.main import alembic_config
-from app.models import metadata
 from tests.support.citus import has_citus, node_of, on_citus
 from tests.support.http import T1, T2
 from tests.support.plans import plan, task_plans

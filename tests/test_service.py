@@ -15,10 +15,10 @@ import pytest
 from alembic.util import CommandError
 
 import app.main
-from app.cli import migrate
+from app.cli.migrate import migrate
 from app.data.revision import MIGRATION_LOCK
-from app.embedded import EmbeddedPostgres
 from app.main import create_app, schema_head
+from app.ops.embedded import EmbeddedPostgres
 from tests.support import ROOT
 from tests.support.databases import migrated_database
 from tests.support.metrics import counter, metrics

@@ -1,4 +1,4 @@
-"""Slow and numerous clients cannot take the HTTP server from the others (app/server.py).
+"""Slow and numerous clients cannot take the HTTP server from the others (app/ops/server.py).
 
 A real `steprecord serve`, with a header deadline of one second (the default is ten), a body
 deadline of three (the default is thirty) and at most four connections per worker, so that

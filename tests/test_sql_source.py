@@ -11,9 +11,9 @@ import psycopg
 from alembic import command
 from alembic.script import ScriptDirectory
 
-from app.cli import migrate
-from app.distribution import custom_plan_statements
+from app.cli.migrate import migrate
 from app.main import alembic_config
+from app.ops.distribution import custom_plan_statements
 from app.sql import COMMAND, frozen_as_of, render, revision_number, source
 from tests.support.citus import has_citus
 

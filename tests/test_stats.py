@@ -8,7 +8,7 @@ import httpx
 import psycopg
 import pytest
 
-from app.cursors import long_running_cursor
+from app.core.cursors import long_running_cursor
 from app.data import stats as stats_data
 from tests.support.http import T0, ago, post, problem
 from tests.support.metrics import metric, metrics

@@ -18,14 +18,14 @@ import pytest
 from prometheus_client import REGISTRY
 
 from app import live
-from app.access import new_token
-from app.config import Settings
+from app.access.tokens import new_token
+from app.core.config import Settings
+from app.core.db import Pool
+from app.core.limits import MAX_OUTPUT_BYTES
 from app.data.stream import STREAM_READ_BYTES, Position
-from app.db import Pool
-from app.limits import MAX_OUTPUT_BYTES
 from app.live import LISTENER_NAME
 from app.main import create_app
-from app.replica import ReadPool
+from app.ops.replica import ReadPool
 from tests.support.citus import node_of
 from tests.support.databases import migrated_database
 from tests.support.http import T1, T2, T3, asgi_scope, post, problem, step_path

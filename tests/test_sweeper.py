@@ -6,8 +6,8 @@ import time
 import httpx
 import psycopg
 
-from app.cli import migrate
-from app.embedded import EmbeddedPostgres
+from app.cli.migrate import migrate
+from app.ops.embedded import EmbeddedPostgres
 from tests.support.metrics import counter
 from tests.support.servers import start_server, stop
 from tests.support.waits import eventually, wait_for

@@ -13,8 +13,8 @@ import httpx
 import psycopg
 import pytest
 
+from app.core.tables import STATUSES
 from app.data import reads
-from app.models import STATUSES
 from tests.support.databases import migrated_database
 from tests.support.plans import plan
 from tests.support.servers import logged_server, steprecord

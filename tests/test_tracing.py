@@ -33,8 +33,9 @@ from pydantic import SecretStr, ValidationError
 from steprecord_client import AsyncRecorder, Recorder
 from steprecord_client.celery import step_slug_for
 
-from app import tracing, ui
-from app.config import Settings
+from app.core import tracing
+from app.core.config import Settings
+from app.dashboard import formatting as ui
 from app.data.common import constraint_name
 from app.main import alembic_config, create_app
 from tests import celery_traced_tasks
@@ -87,7 +88,7 @@ def server_and_database(receiver: OtlpReceiver, trace_id: str) -> tuple[Span, Sp
 
 
 # On a Citus cluster the service first asks the coordinator where a new instance lives, and
-# checks a node the first time it reaches it (app/nodes.py): spans of the request too.
+# checks a node the first time it reaches it (app/ops/nodes.py): spans of the request too.
 PLACEMENT = frozenset({"shards_of", "node_check"})
 
 

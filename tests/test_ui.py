@@ -20,10 +20,10 @@ import pytest
 from playwright.sync_api import Browser, Page, expect
 from steprecord_client import fit_message
 
-from app import sessions
-from app.cli import migrate
+from app.access import sessions
+from app.cli.migrate import migrate
+from app.core.shown import shown
 from app.data import dashboard, reads
-from app.shown import shown
 from tests.support.browser import screenshot
 from tests.support.databases import create_database, drop_database
 from tests.support.http import T0, T1, T2, T3, T4, html, post

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
-from app import ui
+from app.dashboard import formatting as ui
 from tests.support.browser import screenshot
 from tests.support.http import html, post
 

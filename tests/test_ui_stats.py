@@ -12,7 +12,7 @@ import httpx
 import pytest
 from playwright.sync_api import Page, expect
 
-from app.cli import migrate
+from app.cli.migrate import migrate
 from tests.support.browser import screenshot
 from tests.support.databases import create_database, drop_database
 from tests.support.http import html, post

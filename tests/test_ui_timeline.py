@@ -11,7 +11,7 @@ import httpx
 import pytest
 from playwright.sync_api import Page, expect
 
-from app import timeline
+from app.dashboard import timeline
 from tests.support.browser import screenshot
 from tests.support.http import html, post
 from tests.support.waits import wait_for

@@ -1,6 +1,6 @@
 """The data layer: all SQL the service sends outside the database functions, one module per
 concern. None imports the web framework; each takes a connection and returns domain types
-(`app.domain`) or plain rows.
+(`app.core.domain`) or plain rows.
 
 - `judge`: events and heartbeats, through the judge's functions (`app/sql/`);
 - `reads`: the API's reads (records, pages, instances, attempts, records across instances);

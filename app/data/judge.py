@@ -10,10 +10,8 @@ from typing import Any
 
 import psycopg
 
-from app.data import placement
-from app.data.common import RECORD, constraint_name, violation, with_key
-from app.db import AsyncConn, DatabaseUnavailable, public_reason
-from app.domain import (
+from app.core.db import AsyncConn, DatabaseUnavailable, public_reason
+from app.core.domain import (
     ConstraintViolation,
     Contention,
     Event,
@@ -21,8 +19,10 @@ from app.domain import (
     OutputTooLarge,
     Result,
 )
+from app.data import placement
+from app.data.common import RECORD, constraint_name, violation, with_key
 
-# The merge is a function in the database (app/sql/apply_events.sql says how it judges):
+# The judge is a function in the database (app/sql/apply_events.sql says how it judges):
 # PostgreSQL plans it once per connection, through any pooler, where the statement it runs
 # cost twice its execution time to plan on every call. It takes $1 the events' indexes,
 # then one array per field of `PARAMS`, in order, then the request's trace id (NULL for

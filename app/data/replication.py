@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from app.db import AsyncConn
+from app.core.db import AsyncConn
 
 
 async def wal_position(conn: AsyncConn) -> int:

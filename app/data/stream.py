@@ -6,11 +6,11 @@ from typing import Any
 
 import psycopg
 
+from app.core.db import AsyncConn
+from app.core.domain import InstanceNotFound, InstanceNotReplayed
 from app.data import placement
 from app.data.common import RECORD, with_key
 from app.data.replication import replay_position
-from app.db import AsyncConn
-from app.domain import InstanceNotFound, InstanceNotReplayed
 
 # The channel the record's triggers notify on commit, with the instance's id as payload.
 CHANNEL = "steprecord_changes"

@@ -63,10 +63,10 @@ import psycopg  # noqa: E402
 from psycopg import sql  # noqa: E402
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
-from app.cli import migrate  # noqa: E402
+from app.cli.migrate import migrate  # noqa: E402
 from app.data import judge  # noqa: E402
-from app.distribution import SHARD_COUNT  # noqa: E402
-from app.embedded import EmbeddedPostgres  # noqa: E402
+from app.ops.distribution import SHARD_COUNT  # noqa: E402
+from app.ops.embedded import EmbeddedPostgres  # noqa: E402
 from tests.bench import plans, run  # noqa: E402
 from tests.bench.run import Load  # noqa: E402
 from tests.support.citus import citus_bin_path, citus_cluster  # noqa: E402

@@ -10,8 +10,8 @@ from pathlib import Path
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-from app.cli import migrate
-from app.embedded import EmbeddedPostgres
+from app.cli.migrate import migrate
+from app.ops.embedded import EmbeddedPostgres
 from tests.support.databases import migrated_database
 
 

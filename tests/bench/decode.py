@@ -2,7 +2,7 @@
 
 Run from the repository root: `.venv/bin/python -m tests.bench.decode`.
 In one process, no server or database: the bodies `events.lua` and `batch.lua` send, parsed
-and checked as the service does (`app.serialize.loads`, then `app.bodies`), and, for the
+and checked as the service does (`app.core.serialize.loads`, then `app.api.bodies`), and, for the
 single events, by pydantic-core's JSON validation of the same model (`model_validate_json`),
 which a service could use instead. Each figure is the best of several repeats, so it is the
 cost of the work, not of the machine's other load. Compare with the workers' CPU per event
@@ -19,10 +19,10 @@ from typing import Any
 
 import orjson
 
-from app.bodies import BODIES, parse_batch_event, parse_envelope, parse_event
-from app.domain import Kind
-from app.routes.common import MAX_BATCH_DEPTH
-from app.serialize import loads
+from app.api.bodies import BODIES, parse_batch_event, parse_envelope, parse_event
+from app.api.routes.common import MAX_BATCH_DEPTH
+from app.core.domain import Kind
+from app.core.serialize import loads
 
 STAMP = "2026-12-05T10:00:00Z"
 LATER = "2026-12-05T10:00:01Z"

@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
 
 import psycopg  # noqa: E402
 
-from app.cli import migrate  # noqa: E402
+from app.cli.migrate import migrate  # noqa: E402
 from tests.support.citus import add_citus_nodes, citus_bin_path, citus_cluster  # noqa: E402
 
 NAME = "steprecord_bench_distribute"

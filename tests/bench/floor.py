@@ -2,10 +2,10 @@
 
 `tests/bench/cpu.py` serves it with uvicorn (two workers, as the service) on the same
 database and loads it as it loads the service. It calls the service's own functions for the
-work itself: the event's body is parsed and checked by `app.bodies`, judged by
+work itself: the event's body is parsed and checked by `app.api.bodies`, judged by
 `app.data.judge` (`steprecord_apply_event`, prepared, through the service's connection pool)
-and answered by `app.routes.refusals.judged`; the page is read with the service's statement
-(`steprecord_list_page`, in binary) and rendered by `app.serialize`. So its answers are the
+and answered by `app.api.routes.refusals.judged`; the page is read with the service's statement
+(`steprecord_list_page`, in binary) and rendered by `app.core.serialize`. So its answers are the
 service's, byte for byte (cpu.py checks). It has nothing else: no framework, routing,
 parameter parsing, access control, log line, metrics, tracing or request id. What the
 service spends beyond it is what those cost.
@@ -22,14 +22,14 @@ from typing import Any
 import psycopg
 from psycopg.rows import tuple_row
 
-from app import cursors
-from app.bodies import parse_event
-from app.config import Settings
+from app.api.bodies import parse_event
+from app.api.routes.refusals import judged
+from app.core import cursors
+from app.core.config import Settings
+from app.core.db import Pool
+from app.core.serialize import dumps, loads, page_json
 from app.data import judge
 from app.data.reads import LIST_PAGE, PAGE_COLUMNS, PAGE_READ_BYTES
-from app.db import Pool
-from app.routes.refusals import judged
-from app.serialize import dumps, loads, page_json
 
 LIMIT = 100
 HEADERS = [(b"content-type", b"application/json")]

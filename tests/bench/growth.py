@@ -60,7 +60,7 @@ if str(ROOT) not in sys.path:
 import psycopg  # noqa: E402
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
-from app.cli import migrate  # noqa: E402
+from app.cli.migrate import migrate  # noqa: E402
 from tests.bench import citus, plans, run  # noqa: E402
 from tests.bench.citus import CALL, PICK, REPLAY_STEPS, Side  # noqa: E402
 from tests.bench.run import Load  # noqa: E402
@@ -84,7 +84,7 @@ LOADS = ("calls", "routed", "single", "batch")
 SERVICE_ENV = {
     "STEPRECORD_POOL_SHARE_PER_TOKEN": "10",
     "STEPRECORD_DB_TIMEOUT": "30",
-    # Each event straight to the node holding its instance (app/nodes.py).
+    # Each event straight to the node holding its instance (app/ops/nodes.py).
     "STEPRECORD_CITUS_DIRECT": "true",
 }
 # A new record: a `start` of attempt 1 of a new step (one client's random slug) of an existing

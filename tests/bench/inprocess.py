@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from app.config import Settings
+from app.core.config import Settings
 from app.main import create_app
 from tests.bench import common, run
 from tests.bench.decode import COMPLETE, START

@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
 
 import psycopg  # noqa: E402
 
-from app.cli import migrate  # noqa: E402
+from app.cli.migrate import migrate  # noqa: E402
 from app.data import dashboard, reads, stats  # noqa: E402
 from tests.support.citus import citus_bin_path, citus_cluster  # noqa: E402
 from tests.support.databases import create_database, server_directory  # noqa: E402

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import psycopg
 
-from app import pruning
+from app.ops import pruning
 from tests.bench import common, run
 
 PREFIX = "p"

@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from app.cli import migrate
-from app.embedded import EmbeddedPostgres
+from app.cli.migrate import migrate
+from app.ops.embedded import EmbeddedPostgres
 from tests.bench.run import (
     HTTP,
     INSTANCES,

@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:  # also runnable as `python tests/bench/run.py`
 
 import psycopg  # noqa: E402
 
-from app.access import ANONYMOUS, new_token  # noqa: E402
+from app.access.tokens import ANONYMOUS, new_token  # noqa: E402
 from app.data import judge  # noqa: E402
 from app.data.reads import LIST_PAGE, PAGE_READ_BYTES  # noqa: E402
 from tests.bench import queries  # noqa: E402

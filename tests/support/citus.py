@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psycopg
 
-from app.embedded import EmbeddedPostgres
+from app.ops.embedded import EmbeddedPostgres
 from tests.support.rows import Conn
 from tests.support.servers import free_port
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import psycopg
 
-from app.cli import migrate
-from app.embedded import EmbeddedPostgres
+from app.cli.migrate import migrate
+from app.ops.embedded import EmbeddedPostgres
 from tests.support.citus import add_citus_nodes, citus_workers
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import psycopg
 
-from app.access import new_token
+from app.access.tokens import new_token
 from tests.support.servers import steprecord
 
 

@@ -1,0 +1,8 @@
+"""`python -m app.cli`: the `steprecord` command."""
+
+import sys
+
+from app.cli.command import main
+
+if __name__ == "__main__":
+    sys.exit(main())
