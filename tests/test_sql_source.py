@@ -21,11 +21,21 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCE = sorted((ROOT / "app" / "sql").glob("*.sql"))
 VERSIONS = ROOT / "migrations" / "versions"
 
-# Every function and trigger of the public schema, by name, as PostgreSQL renders it.
+# Every function, trigger and composite type (one that is no table's row) of the public
+# schema, by name, as PostgreSQL renders it.
 CATALOG = """
 SELECT 'function ' || p.oid::regprocedure::text, pg_get_functiondef(p.oid)
 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
 WHERE n.nspname = 'public'
+UNION ALL
+SELECT 'type ' || t.oid::regtype::text,
+       string_agg(a.attname || ' ' || format_type(a.atttypid, a.atttypmod), ', '
+                  ORDER BY a.attnum)
+FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace
+JOIN pg_class c ON c.oid = t.typrelid AND c.relkind = 'c'
+JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+WHERE n.nspname = 'public'
+GROUP BY t.oid
 UNION ALL
 SELECT 'trigger ' || t.tgname || ' on ' || c.relname, pg_get_triggerdef(t.oid)
 FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
@@ -46,9 +56,10 @@ def test_the_database_at_head_holds_exactly_the_functions_and_triggers_of_app_sq
     scratch_database: str,
 ) -> None:
     """Migrate an empty database to head; then drop every function (and so every trigger)
-    but the database's own secret, and install `app/sql/` alone: the catalog must come back
-    exactly as it was, so nothing in the database is missing from the source and nothing in
-    the source is missing from the database, and each function is byte for byte the same."""
+    but the database's own secret, and every composite type, and install `app/sql/` alone:
+    the catalog must come back exactly as it was, so nothing in the database is missing from
+    the source and nothing in the source is missing from the database, and each function and
+    type is byte for byte the same."""
     migrate(scratch_database)
     distributed = has_citus(scratch_database)
     with psycopg.connect(scratch_database) as conn:
@@ -61,6 +72,9 @@ def test_the_database_at_head_holds_exactly_the_functions_and_triggers_of_app_sq
         for name in at_head:
             if name.startswith("function ") and name != SECRET:
                 conn.execute(f"DROP FUNCTION {name.removeprefix('function ')} CASCADE")
+        for name in at_head:
+            if name.startswith("type "):
+                conn.execute(f"DROP TYPE {name.removeprefix('type ')}")
         assert catalog(conn).keys() == {SECRET}
         for path in SOURCE:
             conn.execute(path.read_text())
@@ -119,7 +133,7 @@ def test_each_revision_made_by_the_freeze_command_holds_what_the_command_makes()
         assert (VERSIONS / f"{name}.down.sql").read_text() == down, name
 
 
-# What a migration may change and its downgrade must restore: every function, trigger,
+# What a migration may change and its downgrade must restore: every function, trigger, type,
 # constraint and index of the public schema, and every table's columns (alembic's own
 # `alembic_version` aside).
 SCHEMA = (
@@ -148,7 +162,7 @@ def test_every_revision_s_downgrade_restores_the_schema_its_upgrade_found(
     scratch_database: str,
 ) -> None:
     """Revision by revision from an empty database: upgrade, downgrade, and the functions,
-    triggers, constraints, indexes and columns are exactly what they were; then upgrade.
+    triggers, types, constraints, indexes and columns are exactly what they were; then upgrade.
     On Citus from revision 0020 on: every upgrade ends by distributing, which the revisions
     before instance ids were derived cannot be (their unique keys leave out the distribution
     column), and 0020's downgrade refuses on a distributed database (see the test below)."""
