@@ -15,6 +15,7 @@ from app.cli import migrate
 from app.distribution import custom_plan_statements
 from app.main import alembic_config
 from app.sql import COMMAND, frozen_as_of, render, revision_number, source
+from migrations.script import statements
 from tests.support.citus import has_citus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -190,3 +191,35 @@ def test_every_revision_s_downgrade_restores_the_schema_its_upgrade_found(
         )
         assert changed == [], f"downgrade of {revision} to {previous} left {changed}"
         command.upgrade(config, revision)
+
+
+def test_a_changed_type_is_made_again_with_the_functions_that_name_it(
+    scratch_database: str,
+) -> None:
+    """A type has no CREATE OR REPLACE: a revision that changes its file (here only a comment)
+    drops the functions whose result names it, then the type, and runs their files again; its
+    downgrade does the same the other way. Both run on a database at head."""
+    files = source()
+    files["answers.sql"] = files["answers.sql"] + "-- One more line.\n"
+    up, down = render("9999_retyped", files)
+    for text in (up, down):
+        assert "DROP FUNCTION steprecord_apply_event(" in text
+        assert "DROP FUNCTION steprecord_apply_events(" in text
+        assert "DROP FUNCTION steprecord_heartbeat(" not in text
+        assert text.index("DROP FUNCTION") < text.index("DROP TYPE steprecord_judged;")
+    assert "-- ===== app/sql/apply_event.sql =====" in up
+    assert "-- ===== app/sql/apply_events.sql =====" in up
+    migrate(scratch_database)
+    distributed = has_citus(scratch_database)
+    with psycopg.connect(scratch_database) as conn:
+        before = catalog(conn)
+        if distributed:  # the coordinator's catalog alone, as in the test above
+            conn.execute("SET LOCAL citus.enable_ddl_propagation = off")
+        for text in (up, down):
+            for statement in statements(text):
+                conn.execute(statement)
+            if distributed:
+                for statement in custom_plan_statements():
+                    conn.execute(statement)
+            assert catalog(conn) == before
+        conn.rollback()
