@@ -223,3 +223,41 @@ def test_a_changed_type_is_made_again_with_the_functions_that_name_it(
                     conn.execute(statement)
             assert catalog(conn) == before
         conn.rollback()
+
+
+def test_the_two_history_triggers_hold_the_same_upsert() -> None:
+    """app/sql/attempt_history.sql writes the history's upsert twice, once in each trigger
+    function (its comment says why): a change of one is a change of both."""
+    text = (ROOT / "app" / "sql" / "attempt_history.sql").read_text()
+    upserts = re.findall(
+        r"\n    v_id := nextval\('workflow_step_attempt_id_seq'\);\n.*?;\n", text, re.S
+    )
+    assert len(upserts) == 2
+    assert upserts[0] == upserts[1]
+
+
+# One event as the service sends it (app/data/judge.py, APPLY_EVENT), a start of step `s`.
+ONE_EVENT = (
+    "SELECT * FROM steprecord_apply_event(steprecord_instance_id(%(key)s), 0, %(key)s, 's',"
+    " 'start', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 60)"
+)
+
+
+def test_a_statement_prepared_before_revision_0038_runs_after_it(scratch_database: str) -> None:
+    """Revision 0038 declares the judge's answer as a composite type with the same columns:
+    a running service's prepared statement is planned again, not refused (`cached plan must
+    not change result type`), so the release needs no restart of running instances."""
+    config = alembic_config()
+    config.attributes["database_url"] = scratch_database
+    command.upgrade(config, "0037")
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        before = conn.execute(ONE_EVENT, {"key": "prepared-1"}, prepare=True).fetchall()
+        columns = [
+            column.name
+            for column in conn.execute(ONE_EVENT, {"key": "prepared-2"}, prepare=True).description
+            or []
+        ]
+        migrate(scratch_database)
+        after = conn.execute(ONE_EVENT, {"key": "prepared-3"}, prepare=True)
+        assert [column.name for column in after.description or []] == columns
+        assert [row[1] for row in after.fetchall()] == [row[1] for row in before] == ["created"]

@@ -82,7 +82,8 @@ AS $fn$
 DECLARE
     -- One clock reading per call, a value (clock_timestamp, not now(): a retried call in the
     -- same transaction reads anew). The statement below uses it, never a clock call: Citus
-    -- runs only IMMUTABLE functions inside a write of a distributed table.
+    -- refuses a VOLATILE function in an UPDATE of a distributed table, and any but an
+    -- IMMUTABLE one in an upsert's DO UPDATE SET.
     v_now timestamptz := clock_timestamp();
     -- The events' instance ids (instance_id.sql), a value every read and write below names
     -- (`= ANY (v_ids)`): on Citus, where the function plans each statement with its values

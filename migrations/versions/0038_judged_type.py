@@ -15,13 +15,26 @@ Why each statement is here (frozen in `0038_judged_type.up.sql` by
    order as the two `RETURNS TABLE` had. A caller's `SELECT * FROM steprecord_apply_event(...)`
    reads the same columns, so a statement a running instance prepared before this revision is
    planned again on its next call, not refused (`cached plan must not change result type` is
-   raised only when the columns differ).
+   raised only when the columns differ; tests/test_sql_source.py runs such a statement across
+   the upgrade): the release needs no restart of running instances (docs/operations.md).
 3. The two functions created again, `RETURNS SETOF steprecord_judged`, their bodies as they
    were. A runtime role (`steprecord grant`) is granted them again by the migrate that runs
    this revision (app/data/roles.py, `keep_grants`); on Citus, `steprecord_apply_event` is
    delegated again and `steprecord_apply_events` plans with its values again by the same
    migrate (app/distribution.py); Citus creates the type on the workers before a function
    that names it.
+4. Comments of app/sql/ that stated a fact about PostgreSQL or Citus, each checked, and
+   corrected where it was wrong or unproven (docs/database.md, "What the comments claim"):
+   Citus does run a statement trigger with a transition table on a shard (the comments of
+   the history's and the notification's row triggers said it did not); Citus refuses a
+   VOLATILE function in an UPDATE of a distributed table and all but IMMUTABLE ones in an
+   upsert's DO UPDATE SET (the comments said it "runs only IMMUTABLE functions in a write");
+   a statement's new snapshot holds for a VOLATILE function at READ COMMITTED; a cost no
+   test re-measures went. The functions of those files are created again as they were (CREATE
+   OR REPLACE), and the triggers of attempt_history.sql and live_updates.sql too, which locks
+   the records SHARE ROW EXCLUSIVE (writes wait, reads do not) until the migration commits,
+   as every revision that changed those files did.
+
 Downgrade: the two functions dropped, then the type, and the files as revision 0037 left
 them run again (`.down.sql`); keep_grants and distribution re-grant and re-delegate at that
 migrate as at this one.

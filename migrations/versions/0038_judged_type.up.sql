@@ -103,8 +103,9 @@ SET plan_cache_mode = force_generic_plan
 AS $fn$
 #variable_conflict use_column
 DECLARE
-    -- The call's clock reading, a value: Citus runs only IMMUTABLE functions inside a write
-    -- of a distributed table, so the statements below never call a clock.
+    -- The call's clock reading, a value: Citus refuses a VOLATILE function (clock_timestamp)
+    -- in an UPDATE of a distributed table, and any but an IMMUTABLE one in an upsert's DO
+    -- UPDATE SET, so the statements below never call a clock.
     v_now timestamptz := clock_timestamp();
     v_id bigint := steprecord_instance_id(p_instance_key);
     v_status text := judge_event_status(p_kind);
@@ -412,7 +413,8 @@ AS $fn$
 DECLARE
     -- One clock reading per call, a value (clock_timestamp, not now(): a retried call in the
     -- same transaction reads anew). The statement below uses it, never a clock call: Citus
-    -- runs only IMMUTABLE functions inside a write of a distributed table.
+    -- refuses a VOLATILE function in an UPDATE of a distributed table, and any but an
+    -- IMMUTABLE one in an upsert's DO UPDATE SET.
     v_now timestamptz := clock_timestamp();
     -- The events' instance ids (instance_id.sql), a value every read and write below names
     -- (`= ANY (v_ids)`): on Citus, where the function plans each statement with its values
@@ -758,3 +760,616 @@ $fn$;
 
 -- Called by the owner and the roles it granted (owner_rights.sql).
 REVOKE ALL ON FUNCTION steprecord_apply_events FROM PUBLIC;
+
+-- ===== app/sql/attempt_history.sql =====
+-- The attempt history (workflow_step_attempt): one row per attempt of a record, written by
+-- the database itself in the same statement as the record, whoever writes the record.
+--
+-- Three functions, three triggers:
+--   * workflow_step_record_history_insert / _update (row triggers, AFTER each inserted or
+--     updated row of workflow_step_record): every write to a record — the judge, a batch,
+--     the sweeper, a hand-written UPDATE — brings its history up to date. On Citus a trigger
+--     runs on the shard, and writes the history's row on the shard beside its record's
+--     (co-located by instance_id: every statement below names the instance id as a value,
+--     so Citus routes it to that one shard). The entry's id is taken from its sequence
+--     before the upsert and passed as a value: Citus keeps the plan of a statement routed to
+--     one shard of its own node (planned once per connection and shard) only when the
+--     statement holds no volatile function, such as the identity's default;
+--   * workflow_step_attempt_guard (row trigger on workflow_step_attempt): the history is
+--     written only by those triggers, and a finished attempt never changes.
+
+-- After a record is inserted: its attempt, unless it is pending (a pending record has no
+-- attempt yet: the trigger's WHEN skips it). _update below repeats this upsert word for word,
+-- and tests/test_sql_source.py holds the two equal: a shared function that both called would
+-- add a PL/pgSQL call per row written, and one function serving both triggers would be a new
+-- function, which a revision can install only by dropping both triggers first (DROP TRIGGER
+-- locks the records ACCESS EXCLUSIVE, reads too, until the migration commits; CREATE OR
+-- REPLACE TRIGGER, SHARE ROW EXCLUSIVE). An attempt row exists from the moment its attempt
+-- starts and is brought up to date by every write of its record; the WHERE skips writes that
+-- change nothing the history shows. A running attempt mirrors the record's lease; a
+-- finished one keeps the last lease it held.
+-- An entry written names its record's writer (reported_by = the record's updated_by):
+-- whoever last wrote the record last wrote the entry.
+CREATE OR REPLACE FUNCTION workflow_step_record_history_insert() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_id bigint;
+BEGIN
+    v_id := nextval('workflow_step_attempt_id_seq');
+    INSERT INTO workflow_step_attempt AS a (
+        id, instance_id, record_id, attempt, status, started_at, completed_at, output,
+        external_output_url, error_code, error_message, lease_expires_at,
+        created_at, updated_at, reported_by)
+    OVERRIDING SYSTEM VALUE
+    VALUES (v_id, NEW.instance_id, NEW.id, NEW.attempt_count, NEW.status, NEW.started_at,
+            NEW.completed_at, NEW.output, NEW.external_output_url, NEW.error_code,
+            NEW.error_message, NEW.lease_expires_at, NEW.updated_at, NEW.updated_at,
+            NEW.updated_by)
+    ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_instance_id_record_id_attempt
+    DO UPDATE SET
+        status = EXCLUDED.status,
+        started_at = EXCLUDED.started_at,
+        completed_at = EXCLUDED.completed_at,
+        output = EXCLUDED.output,
+        external_output_url = EXCLUDED.external_output_url,
+        error_code = EXCLUDED.error_code,
+        error_message = EXCLUDED.error_message,
+        lease_expires_at = CASE WHEN EXCLUDED.status = 'running'
+                                THEN EXCLUDED.lease_expires_at ELSE a.lease_expires_at END,
+        updated_at = EXCLUDED.updated_at,
+        reported_by = EXCLUDED.reported_by
+    WHERE (a.status, a.started_at, a.completed_at, a.output, a.external_output_url,
+           a.error_code, a.error_message, a.lease_expires_at)
+          IS DISTINCT FROM
+          (EXCLUDED.status, EXCLUDED.started_at, EXCLUDED.completed_at, EXCLUDED.output,
+           EXCLUDED.external_output_url, EXCLUDED.error_code, EXCLUDED.error_message,
+           CASE WHEN EXCLUDED.status = 'running'
+                THEN EXCLUDED.lease_expires_at ELSE a.lease_expires_at END);
+    RETURN NULL;
+END
+$fn$;
+
+-- After a record is updated: first, a running attempt overtaken by a higher attempt
+-- becomes `superseded` (it started and never reported an end; completed_at = when the next
+-- attempt took over, never before its own start). The superseded entry names the writer of
+-- the record's update that took it over, its last writer. Then the record's current attempt,
+-- unless the record is pending, is inserted or brought up to date, as after an insert.
+CREATE OR REPLACE FUNCTION workflow_step_record_history_update() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_id bigint;
+BEGIN
+    IF OLD.status = 'running' AND NEW.attempt_count > OLD.attempt_count THEN
+        UPDATE workflow_step_attempt a SET
+            status = 'superseded',
+            completed_at = GREATEST(a.started_at, COALESCE(NEW.started_at, NEW.updated_at)),
+            updated_at = NEW.updated_at,
+            reported_by = NEW.updated_by
+        WHERE a.instance_id = OLD.instance_id AND a.record_id = OLD.id
+          AND a.attempt = OLD.attempt_count AND a.status = 'running';
+    END IF;
+    IF NEW.status = 'pending' THEN
+        RETURN NULL;
+    END IF;
+    v_id := nextval('workflow_step_attempt_id_seq');
+    INSERT INTO workflow_step_attempt AS a (
+        id, instance_id, record_id, attempt, status, started_at, completed_at, output,
+        external_output_url, error_code, error_message, lease_expires_at,
+        created_at, updated_at, reported_by)
+    OVERRIDING SYSTEM VALUE
+    VALUES (v_id, NEW.instance_id, NEW.id, NEW.attempt_count, NEW.status, NEW.started_at,
+            NEW.completed_at, NEW.output, NEW.external_output_url, NEW.error_code,
+            NEW.error_message, NEW.lease_expires_at, NEW.updated_at, NEW.updated_at,
+            NEW.updated_by)
+    ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_instance_id_record_id_attempt
+    DO UPDATE SET
+        status = EXCLUDED.status,
+        started_at = EXCLUDED.started_at,
+        completed_at = EXCLUDED.completed_at,
+        output = EXCLUDED.output,
+        external_output_url = EXCLUDED.external_output_url,
+        error_code = EXCLUDED.error_code,
+        error_message = EXCLUDED.error_message,
+        lease_expires_at = CASE WHEN EXCLUDED.status = 'running'
+                                THEN EXCLUDED.lease_expires_at ELSE a.lease_expires_at END,
+        updated_at = EXCLUDED.updated_at,
+        reported_by = EXCLUDED.reported_by
+    WHERE (a.status, a.started_at, a.completed_at, a.output, a.external_output_url,
+           a.error_code, a.error_message, a.lease_expires_at)
+          IS DISTINCT FROM
+          (EXCLUDED.status, EXCLUDED.started_at, EXCLUDED.completed_at, EXCLUDED.output,
+           EXCLUDED.external_output_url, EXCLUDED.error_code, EXCLUDED.error_message,
+           CASE WHEN EXCLUDED.status = 'running'
+                THEN EXCLUDED.lease_expires_at ELSE a.lease_expires_at END);
+    RETURN NULL;
+END
+$fn$;
+
+CREATE OR REPLACE TRIGGER tr_workflow_step_record_history_insert
+AFTER INSERT ON workflow_step_record
+FOR EACH ROW WHEN (NEW.status <> 'pending')
+EXECUTE FUNCTION workflow_step_record_history_insert();
+
+CREATE OR REPLACE TRIGGER tr_workflow_step_record_history_update
+AFTER UPDATE ON workflow_step_record
+FOR EACH ROW EXECUTE FUNCTION workflow_step_record_history_update();
+
+-- The history's guard, so that it cannot disagree with the record:
+--   * it is written only by the record's triggers (trigger depth 2 and more): a
+--     hand-written INSERT, UPDATE or DELETE of the history is refused (deleting a record's
+--     instance still cascades: the cascade runs as a trigger too);
+--   * one exception, the judge's late report of an older attempt (apply_events.sql, its
+--     `late` steps), written while the judge runs (steprecord.writer = 'judge', set by
+--     the judge's functions for the rest of their transaction): it may insert an attempt's terminal
+--     entry where there was none, or turn a `superseded` entry into its own terminal
+--     report, and nothing else;
+--   * a finished attempt never changes, and a superseded one only by that late report;
+--   * identities never change.
+-- It raises check_violation naming tr_workflow_step_attempt_guard, like a CHECK.
+CREATE OR REPLACE FUNCTION workflow_step_attempt_guard() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    why text;
+    late_report boolean := pg_trigger_depth() < 2
+        AND current_setting('steprecord.writer', true) = 'judge'
+        AND steprecord_by_owner()
+        AND TG_OP IN ('INSERT', 'UPDATE') AND NEW.status IN ('completed', 'failed');
+BEGIN
+    IF late_report THEN
+        IF TG_OP = 'UPDATE'
+           AND (NEW.id, NEW.instance_id, NEW.record_id, NEW.attempt, NEW.created_at)
+               IS DISTINCT FROM
+               (OLD.id, OLD.instance_id, OLD.record_id, OLD.attempt, OLD.created_at) THEN
+            why := 'id, instance_id, record_id, attempt and created_at never change';
+        ELSIF TG_OP = 'UPDATE' AND OLD.status <> 'superseded' THEN
+            why := 'a late report ends only a superseded attempt; a finished one never changes';
+        ELSE
+            -- The record, one table by its distribution column and no subquery: on Citus a
+            -- "fast path" statement, which the judge's generic plans can route.
+            PERFORM FROM workflow_step_record r
+            WHERE r.instance_id = NEW.instance_id AND r.id = NEW.record_id
+              AND r.attempt_count > NEW.attempt;
+            IF NOT FOUND THEN
+                why := 'a late report is of an attempt older than its record''s';
+            END IF;
+        END IF;
+    ELSIF pg_trigger_depth() < 2 THEN
+        why := 'the history is written only through workflow_step_record';
+    ELSIF TG_OP = 'UPDATE' AND OLD.status <> 'running' THEN
+        why := 'a finished or superseded attempt never changes';
+    ELSIF TG_OP = 'UPDATE'
+          AND (NEW.id, NEW.instance_id, NEW.record_id, NEW.attempt, NEW.created_at)
+              IS DISTINCT FROM
+              (OLD.id, OLD.instance_id, OLD.record_id, OLD.attempt, OLD.created_at) THEN
+        why := 'id, instance_id, record_id, attempt and created_at never change';
+    END IF;
+    IF why IS NOT NULL THEN
+        -- The guard's name in the message too, as a CHECK's: Citus relays a worker's
+        -- SQLSTATE and message, not the constraint field.
+        RAISE EXCEPTION 'workflow_step_attempt violates constraint "%": %',
+                        'tr_workflow_step_attempt_guard', why
+            USING ERRCODE = 'check_violation',
+                  CONSTRAINT = 'tr_workflow_step_attempt_guard',
+                  TABLE = 'workflow_step_attempt';
+    END IF;
+    RETURN CASE TG_OP WHEN 'DELETE' THEN OLD ELSE NEW END;
+END
+$fn$;
+
+CREATE OR REPLACE TRIGGER tr_workflow_step_attempt_guard
+BEFORE INSERT OR UPDATE OR DELETE ON workflow_step_attempt
+FOR EACH ROW EXECUTE FUNCTION workflow_step_attempt_guard();
+
+-- ===== app/sql/deletion.sql =====
+-- Deleting instances (app/data/retention.py): one on request (`DELETE /v1/instances/{key}`),
+-- or those last written before a cutoff (`steprecord prune`, STEPRECORD_RETENTION). Definer
+-- functions (owner_rights.sql): the service's role deletes nothing itself. An instance goes
+-- with its records in one statement; their history and repair log follow by ON DELETE
+-- CASCADE.
+--
+-- Lock, then judge: two statements, the second of which takes its snapshot after the first's
+-- lock was granted (at READ COMMITTED each statement of a VOLATILE function, as these are,
+-- takes a new one), so it sees every step committed before, also one created by a writer
+-- that held the instance's lock while the first waited (one statement that locked and judged
+-- would judge on its own older snapshot, miss that step, and then fail on it, or delete it
+-- unjudged). The second locks the
+-- records too, in id order (a writer updating one finishes first, and the check of what is
+-- running reads the newest versions). On Citus every statement names the instance's id, so it
+-- runs on the one worker that holds the instance; distribution makes these functions plan each
+-- statement with its values (app/distribution.py), so Citus sees that id.
+
+-- One instance, by its id and key: `present` false when there is no such instance; otherwise
+-- its running steps and its repairs when it was judged, and `deleted` 1 when it went. Without
+-- p_force an instance with a running step stays; without p_erase_repairs one whose repair log
+-- holds entries stays.
+CREATE OR REPLACE FUNCTION steprecord_delete_instance(
+    p_instance_id bigint, p_instance_key text, p_force boolean, p_erase_repairs boolean
+) RETURNS TABLE (present boolean, running bigint, repairs bigint, deleted bigint)
+LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, public, pg_temp
+AS $fn$
+BEGIN
+    PERFORM FROM process_instance p
+    WHERE p.id = p_instance_id AND p.instance_key = p_instance_key
+    FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false, 0::bigint, 0::bigint, 0::bigint;
+        RETURN;
+    END IF;
+    RETURN QUERY
+    WITH records AS (
+        SELECT r.status FROM workflow_step_record r WHERE r.instance_id = p_instance_id
+        ORDER BY r.id
+        FOR UPDATE OF r
+    ),
+    logged AS (
+        SELECT count(*) AS n FROM workflow_step_repair x WHERE x.instance_id = p_instance_id
+    ),
+    allowed AS (
+        SELECT WHERE (p_force OR NOT EXISTS (SELECT 1 FROM records WHERE status = 'running'))
+                 AND (p_erase_repairs OR (SELECT n FROM logged) = 0)
+    ),
+    gone_records AS (
+        DELETE FROM workflow_step_record r
+        WHERE r.instance_id = p_instance_id AND EXISTS (SELECT FROM allowed)
+    ),
+    gone AS (
+        DELETE FROM process_instance p
+        WHERE p.id = p_instance_id AND EXISTS (SELECT FROM allowed) RETURNING p.id
+    )
+    SELECT true,
+           (SELECT count(*) FROM records WHERE status = 'running'),
+           (SELECT n FROM logged),
+           (SELECT count(*) FROM gone);
+END
+$fn$;
+
+-- Pruning, a batch of instances in one transaction (app/data/retention.py, `lock_due`):
+-- first every instance of the batch is locked (steprecord_prune_lock, in id order), then each
+-- is judged (steprecord_prune_due, after all the locks were granted) and the archive read,
+-- then the instances that go are deleted (steprecord_prune_delete).
+
+-- Lock one instance (a writer creating a step of it waits from then on).
+CREATE OR REPLACE FUNCTION steprecord_prune_lock(p_instance_id bigint) RETURNS void
+LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, public, pg_temp
+AS $fn$
+BEGIN
+    PERFORM FROM process_instance p WHERE p.id = p_instance_id FOR UPDATE;
+END
+$fn$;
+
+-- Judge one locked instance, locking its records in id order: a row when it goes, with what
+-- goes with it. It goes when its last write (its records' greatest updated_at, else its own
+-- created_at) is before p_cutoff and, unless p_include_unfinished, none of its records is
+-- pending or running; so an instance written after the cutoff stays, even when it was
+-- selected as a candidate before that write.
+CREATE OR REPLACE FUNCTION steprecord_prune_due(
+    p_instance_id bigint, p_cutoff timestamptz, p_include_unfinished boolean
+) RETURNS TABLE (
+    id bigint, instance_key text, created_at timestamptz, records bigint, attempts bigint
+)
+LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, public, pg_temp
+AS $fn$
+BEGIN
+    RETURN QUERY
+    WITH locked AS (
+        SELECT r.updated_at, r.status FROM workflow_step_record r
+        WHERE r.instance_id = p_instance_id
+        ORDER BY r.id
+        FOR UPDATE
+    )
+    SELECT p.id, p.instance_key, p.created_at,
+           (SELECT count(*) FROM locked),
+           (SELECT count(*) FROM workflow_step_attempt a WHERE a.instance_id = p_instance_id)
+    FROM process_instance p
+    WHERE p.id = p_instance_id
+      AND COALESCE((SELECT max(l.updated_at) FROM locked l), p.created_at) < p_cutoff
+      AND (p_include_unfinished
+           OR NOT EXISTS (SELECT 1 FROM locked l WHERE l.status IN ('pending', 'running')));
+END
+$fn$;
+
+-- Delete the judged instances of the batch with their records.
+CREATE OR REPLACE FUNCTION steprecord_prune_delete(p_ids bigint[]) RETURNS void
+LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, public, pg_temp
+AS $fn$
+BEGIN
+    WITH gone_records AS (
+        DELETE FROM workflow_step_record r WHERE r.instance_id = ANY (p_ids)
+    )
+    DELETE FROM process_instance p WHERE p.id = ANY (p_ids);
+END
+$fn$;
+
+-- Called by the owner and the roles it granted (owner_rights.sql).
+REVOKE ALL ON FUNCTION steprecord_delete_instance FROM PUBLIC;
+REVOKE ALL ON FUNCTION steprecord_prune_lock FROM PUBLIC;
+REVOKE ALL ON FUNCTION steprecord_prune_due FROM PUBLIC;
+REVOKE ALL ON FUNCTION steprecord_prune_delete FROM PUBLIC;
+
+-- ===== app/sql/live_updates.sql =====
+-- Live updates: what the stream (GET /v1/instances/{key}/stream) reads and listens to.
+--
+-- A change's position is (changed_xid, id) of the record it left: the stream sends every
+-- record written by a transaction below its horizon, in that order, and resumes after a
+-- reconnect exactly there. There is no change-log table.
+
+-- Every write of a record stamps it with the writing transaction's id, whoever writes (the
+-- judge, a batch, a heartbeat, the sweeper, a hand-written UPDATE; a value written by hand
+-- is overwritten), so no writer can forget it or forge it.
+CREATE OR REPLACE FUNCTION workflow_step_record_set_changed_xid() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+BEGIN
+    NEW.changed_xid := pg_current_xact_id();
+    RETURN NEW;
+END
+$fn$;
+
+CREATE OR REPLACE TRIGGER tr_workflow_step_record_changed_xid
+BEFORE INSERT OR UPDATE ON workflow_step_record
+FOR EACH ROW EXECUTE FUNCTION workflow_step_record_set_changed_xid();
+
+-- One notification per record written, with the instance's id as payload. PostgreSQL
+-- delivers it only when the transaction commits (never for a rollback) and drops duplicates
+-- within a transaction, so listeners hear each committed write once per instance; a replay
+-- or a refused event writes nothing and so notifies nothing. On Citus the trigger runs on
+-- the worker's shard, and the notification comes from that worker (the service listens on
+-- every worker; see app/live.py).
+CREATE OR REPLACE FUNCTION workflow_step_record_notify() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+BEGIN
+    PERFORM pg_notify('steprecord_changes', NEW.instance_id::text);
+    RETURN NULL;
+END
+$fn$;
+
+CREATE OR REPLACE TRIGGER tr_workflow_step_record_notify_insert
+AFTER INSERT ON workflow_step_record
+FOR EACH ROW EXECUTE FUNCTION workflow_step_record_notify();
+
+CREATE OR REPLACE TRIGGER tr_workflow_step_record_notify_update
+AFTER UPDATE ON workflow_step_record
+FOR EACH ROW EXECUTE FUNCTION workflow_step_record_notify();
+
+-- A stream's read (app/data/stream.py): the records of an instance after a position
+-- `(changed_xid, id)`, in that order, but only those written by transactions below the
+-- horizon, before which every transaction that could write this database has ended, so no
+-- record can still appear there later. On the primary the horizon is the oldest transaction
+-- still running at this call's snapshot, skipping those that the activity view shows working
+-- in another database (a cluster's other databases never write here; one that already ended
+-- by the time the view is read counts as ours, to be safe), or the snapshot's xmax when none
+-- is left. The activity view is read only when some transaction is running, and then once.
+-- On a standby the snapshot lists no running transaction (in recovery PostgreSQL keeps the
+-- primary's transactions among the snapshot's subtransactions) and the activity view knows
+-- none of them, but the snapshot's xmin is the oldest of them still running as far as replay
+-- got: the horizon there, other databases' transactions included.
+--
+-- `behind` says whether a visible record beyond the position, at or above the horizon, waits
+-- for an older transaction still in flight. An unknown instance still yields one row (without
+-- an instance id), which says whether a standby answered. `since` is the position the read
+-- started from: the caller's, or (0, 0) when the caller's is beyond anything this server has
+-- assigned (above its next transaction id: a position from another server, e.g. before the
+-- instance's shard moved to another Citus worker), so the stream sends the whole instance
+-- again rather than wait for this server's ids to get there. A standby may lag behind a
+-- position the primary gave: it never resets.
+--
+-- At most p_limit records, and no more once the records answered hold p_max_bytes of long
+-- values (output as text, error message, output URL) or more: `cut` is true on the last row
+-- when the read stopped there for its bytes, and the stream reads on from that record. The
+-- rows are read one by one and counted as they come, so a stream's first read of an instance
+-- of large outputs stops reading at the bound.
+--
+-- PL/pgSQL, with the instance's id first: on Citus it is a distributed function by that
+-- argument, so the whole call runs on the worker that holds the instance, and the snapshot,
+-- the transaction ids and the activity view are that worker's, the ones the records'
+-- `changed_xid` stamps come from.
+CREATE OR REPLACE FUNCTION steprecord_stream_changes(
+    p_instance_id bigint, p_instance_key text, p_after_xid xid8, p_after_id bigint,
+    p_limit integer, p_max_bytes bigint
+)
+RETURNS TABLE (
+    standby boolean, instance_id bigint, horizon xid8, since_xid xid8, since_id bigint,
+    behind boolean, changed_xid xid8,
+    id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
+    output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
+    lease_expires_at timestamptz, error_code text, error_message text,
+    created_at timestamptz, updated_at timestamptz, updated_by text, cut boolean
+)
+LANGUAGE plpgsql STABLE
+SET plan_cache_mode = force_custom_plan
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_snapshot pg_snapshot := pg_current_snapshot();
+    v_standby boolean := pg_is_in_recovery();
+    v_horizon xid8;
+    v_after_xid xid8 := p_after_xid;
+    v_after_id bigint := p_after_id;
+    v_bytes bigint := 0;
+BEGIN
+    IF v_standby THEN
+        v_horizon := pg_snapshot_xmin(v_snapshot);
+    ELSE
+        v_horizon := least(pg_snapshot_xmax(v_snapshot), (
+            SELECT x FROM pg_snapshot_xip(v_snapshot) AS x
+            WHERE x::xid NOT IN (
+                SELECT a.backend_xid FROM pg_stat_activity a
+                WHERE a.backend_xid IS NOT NULL AND a.datname <> current_database())
+            ORDER BY x LIMIT 1));
+        IF v_after_xid > pg_snapshot_xmax(v_snapshot) THEN
+            v_after_xid := '0'::xid8;
+            v_after_id := 0;
+        END IF;
+    END IF;
+    cut := false;
+    FOR standby, instance_id, horizon, since_xid, since_id, behind, changed_xid, id, step_slug,
+        ordinal, status, attempt_count, output, external_output_url, started_at, completed_at,
+        lease_expires_at, error_code, error_message, created_at, updated_at, updated_by IN
+    SELECT v_standby, p.id, v_horizon, v_after_xid, v_after_id,
+           EXISTS (SELECT FROM workflow_step_record l
+                   WHERE l.instance_id = p_instance_id AND l.changed_xid >= v_horizon
+                     AND (l.changed_xid, l.id) > (v_after_xid, v_after_id)),
+           s.changed_xid,
+           s.id, s.step_slug, s.ordinal, s.status, s.attempt_count, s.output,
+           s.external_output_url, s.started_at, s.completed_at, s.lease_expires_at,
+           s.error_code, s.error_message, s.created_at, s.updated_at, s.updated_by
+    FROM (SELECT) one
+    LEFT JOIN process_instance p
+        ON p.id = p_instance_id AND p.instance_key = p_instance_key
+    LEFT JOIN LATERAL (
+        SELECT r.changed_xid, r.id, r.step_slug, r.ordinal, r.status, r.attempt_count,
+               r.output::text AS output, r.external_output_url, r.started_at,
+               r.completed_at, r.lease_expires_at, r.error_code, r.error_message,
+               r.created_at, r.updated_at, r.updated_by
+        FROM workflow_step_record r
+        WHERE r.instance_id = p_instance_id AND p.id IS NOT NULL
+          AND (r.changed_xid, r.id) > (v_after_xid, v_after_id)
+          AND r.changed_xid < v_horizon
+        ORDER BY r.changed_xid, r.id
+        LIMIT p_limit
+    ) s ON true
+    LOOP
+        v_bytes := v_bytes + coalesce(octet_length(output), 0)
+            + coalesce(octet_length(error_message), 0)
+            + coalesce(octet_length(external_output_url), 0);
+        cut := v_bytes >= p_max_bytes;
+        RETURN NEXT;
+        EXIT WHEN cut;
+    END LOOP;
+END
+$fn$;
+
+-- ===== app/sql/reopen.sql =====
+-- steprecord_reopen: an operator's repair (POST .../steps/{step_slug}/reopen, `steprecord
+-- repair reopen`): a finished record becomes pending at the next attempt, and the repair log
+-- (workflow_step_repair, repair_log.sql) keeps who did it and why. One call is one event,
+-- judged and written under the record's row lock, as the judge's own functions do.
+--
+-- Arguments: p_instance_id, the instance's id (steprecord_instance_id(p_instance_key): the
+-- service's statement computes it so; on Citus it is the function's distribution argument,
+-- and every statement below names it as a value, so the whole call runs on the worker that
+-- holds the instance); the instance's key; the step's slug; p_attempt, the attempt the
+-- operator saw (NULL: whichever is current); the reason (1-500 characters, held by
+-- ck_workflow_step_repair_reason_length); p_by, who asks (the token's name, `anonymous`, or
+-- the CLI's writer name): the repair log's repaired_by, and the reopened record's updated_by
+-- (its last writer), as every judge's write names its writer.
+--
+-- Answer: one row, `outcome` and the record as it stands after the call, plus the repair
+-- log entry (repair_id, repair_at) when one was written. Outcomes:
+--   * instance_not_found, step_not_found: no record (the record's columns are NULL);
+--   * stale_attempt: p_attempt is not the record's attempt_count (another operator, or a
+--     new attempt, came first): nothing written;
+--   * not_finished: the record is pending or running, nothing to reopen;
+--   * no_attempt_left: the record is at the last attempt there is (2147483647);
+--   * reopened: the record is pending at attempt_count + 1, its times, output, error and
+--     lease cleared, and one repair log entry was written.
+-- The history is left to the record's triggers (attempt_history.sql): a pending record has
+-- no attempt, so attempt N's entry stays as it was, and the next start runs attempt N+1.
+--
+-- steprecord.writer = 'repair' for the call's two writes only, set by set_config and then
+-- restored (not by a `SET` clause of the function: see apply_events.sql): the record's guard
+-- (record_guard.sql) lets a finished record go back to pending at the next attempt, and the
+-- repair log's guard lets a row in, only then.
+CREATE OR REPLACE FUNCTION steprecord_reopen(
+    p_instance_id bigint, p_instance_key text, p_step_slug text, p_attempt int,
+    p_reason text, p_by text
+) RETURNS TABLE (
+    outcome text,
+    id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
+    output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
+    lease_expires_at timestamptz, error_code text, error_message text,
+    created_at timestamptz, updated_at timestamptz, updated_by text,
+    repair_id bigint, repair_at timestamptz
+)
+LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, public, pg_temp
+SET plan_cache_mode = force_generic_plan
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    -- The call's clock reading, a value: Citus refuses a VOLATILE function (clock_timestamp)
+    -- in an UPDATE of a distributed table, and any but an IMMUTABLE one in an upsert's DO
+    -- UPDATE SET, so the statements below never call a clock.
+    v_now timestamptz := clock_timestamp();
+    v_outcome text;
+    -- The record as it stands (a `record`, not workflow_step_record%ROWTYPE: on Citus the
+    -- function is made on the workers before the tables are, and a row type would not resolve).
+    r record;
+    v_repair_id bigint;
+    -- The writer before this call, restored after its two writes.
+    v_writer text := current_setting('steprecord.writer', true);
+BEGIN
+    -- The record, locked: a concurrent event or reopen of it waits until this call's
+    -- transaction ends, and then judges the record this call left.
+    SELECT rec.* INTO r
+    FROM process_instance p
+    JOIN workflow_step_record rec ON rec.instance_id = p.id AND rec.step_slug = p_step_slug
+    WHERE p.id = p_instance_id AND p.instance_key = p_instance_key
+    FOR UPDATE OF rec;
+
+    IF NOT FOUND THEN
+        IF EXISTS (SELECT 1 FROM process_instance p
+                   WHERE p.id = p_instance_id AND p.instance_key = p_instance_key) THEN
+            v_outcome := 'step_not_found';
+        ELSE
+            v_outcome := 'instance_not_found';
+        END IF;
+        RETURN QUERY SELECT v_outcome, NULL::bigint, NULL::text, NULL::int, NULL::text,
+            NULL::int, NULL::text, NULL::text, NULL::timestamptz, NULL::timestamptz,
+            NULL::timestamptz, NULL::text, NULL::text, NULL::timestamptz, NULL::timestamptz,
+            NULL::text, NULL::bigint, NULL::timestamptz;
+        RETURN;
+    END IF;
+
+    -- A named attempt first: an operator who saw attempt N finished and asks to reopen it
+    -- learns that another one is current, even when that one is pending or running.
+    IF p_attempt IS NOT NULL AND p_attempt <> r.attempt_count THEN
+        v_outcome := 'stale_attempt';
+    ELSIF r.status NOT IN ('completed', 'failed') THEN
+        v_outcome := 'not_finished';
+    ELSIF r.attempt_count >= 2147483647 THEN
+        v_outcome := 'no_attempt_left';
+    END IF;
+    IF v_outcome IS NOT NULL THEN
+        RETURN QUERY SELECT v_outcome, r.id, r.step_slug, r.ordinal, r.status,
+            r.attempt_count, r.output::text, r.external_output_url, r.started_at,
+            r.completed_at, r.lease_expires_at, r.error_code, r.error_message,
+            r.created_at, r.updated_at, r.updated_by, NULL::bigint, NULL::timestamptz;
+        RETURN;
+    END IF;
+
+    PERFORM set_config('steprecord.writer', 'repair', true);
+    UPDATE workflow_step_record rec SET
+        status = 'pending',
+        attempt_count = r.attempt_count + 1,
+        started_at = NULL,
+        completed_at = NULL,
+        output = NULL,
+        external_output_url = NULL,
+        error_code = NULL,
+        error_message = NULL,
+        lease_expires_at = NULL,
+        updated_at = v_now,
+        updated_by = p_by
+    WHERE rec.instance_id = p_instance_id AND rec.id = r.id
+    RETURNING rec.* INTO r;
+
+    INSERT INTO workflow_step_repair AS rep (
+        instance_id, record_id, step_slug, action, attempt, reason, repaired_by, at)
+    VALUES (p_instance_id, r.id, r.step_slug, 'reopen', r.attempt_count - 1, p_reason, p_by,
+            v_now)
+    RETURNING rep.id INTO v_repair_id;
+    PERFORM set_config('steprecord.writer', coalesce(v_writer, ''), true);
+
+    RETURN QUERY SELECT 'reopened'::text, r.id, r.step_slug, r.ordinal, r.status,
+        r.attempt_count, r.output::text, r.external_output_url, r.started_at,
+        r.completed_at, r.lease_expires_at, r.error_code, r.error_message,
+        r.created_at, r.updated_at, r.updated_by, v_repair_id, v_now;
+END
+$fn$;
+
+-- Called by the owner and the roles it granted (owner_rights.sql).
+REVOKE ALL ON FUNCTION steprecord_reopen FROM PUBLIC;
