@@ -1,7 +1,9 @@
 """The record's shape is written once (app/core/record.py); everything that shows a record follows.
 
 The database functions that answer records declare their columns in SQL, which cannot read
-Python: these tests hold each `RETURNS TABLE` to the one definition, column for column.
+Python: these tests hold each answer (a `RETURNS TABLE`, or the composite type a function
+returns a set of, as the judge's two return `steprecord_judged`) to the one definition,
+column for column.
 """
 
 import psycopg
@@ -20,6 +22,7 @@ ANSWERS = {
     "steprecord_apply_events": (("i", "integer"), ("outcome", "text"), ("recorded", "boolean")),
     "steprecord_heartbeat": (("i", "integer"), ("outcome", "text")),
     "steprecord_list_page": (),
+    "steprecord_reopen": (("outcome", "text"),),
     "steprecord_stream_changes": (
         ("standby", "boolean"),
         ("instance_id", "bigint"),
@@ -34,15 +37,26 @@ WITH_KEY = {"steprecord_list_page"}
 # The columns after the record's: whether a read stopped at that row for its bytes.
 AFTER = {
     "steprecord_list_page": (("cut", "boolean"),),
+    "steprecord_reopen": (("repair_id", "bigint"), ("repair_at", "timestamp with time zone")),
     "steprecord_stream_changes": (("cut", "boolean"),),
 }
 
+# A function's answer columns: its `RETURNS TABLE`, or the attributes of the composite type
+# it returns a set of.
 RETURNS_TABLE = """
-SELECT a.name, format_type(a.type, NULL)
-FROM pg_proc p, unnest(p.proargnames, p.proallargtypes, p.proargmodes)
-    WITH ORDINALITY AS a(name, type, mode, n)
-WHERE p.proname = %s AND a.mode = 't'
-ORDER BY a.n
+SELECT name, format_type(type, NULL) FROM (
+    SELECT a.name, a.type, a.n
+    FROM pg_proc p, unnest(p.proargnames, p.proallargtypes, p.proargmodes)
+        WITH ORDINALITY AS a(name, type, mode, n)
+    WHERE p.proname = %(function)s AND a.mode = 't'
+    UNION ALL
+    SELECT a.attname, a.atttypid, a.attnum
+    FROM pg_proc p JOIN pg_type t ON t.oid = p.prorettype
+    JOIN pg_class c ON c.oid = t.typrelid AND c.relkind = 'c'
+    JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+    WHERE p.proname = %(function)s AND p.proretset
+) answer
+ORDER BY n
 """
 
 
@@ -58,7 +72,9 @@ def test_each_function_answers_the_record_s_columns_in_its_order_and_types(
     fields = [f for f in record.FIELDS if f.stored or function in WITH_KEY]
     record_columns = ((f.key, sql_type(f.sql)) for f in fields)
     expected = [*ANSWERS[function], *record_columns, *AFTER.get(function, ())]
-    declared = [(str(name), str(kind)) for name, kind in db.execute(RETURNS_TABLE, (function,))]
+    declared = [
+        (str(name), str(kind)) for name, kind in db.execute(RETURNS_TABLE, {"function": function})
+    ]
     assert declared == expected
 
 

@@ -15,17 +15,28 @@ from app.cli.migrate import migrate
 from app.main import alembic_config
 from app.ops.distribution import custom_plan_statements
 from app.sql import COMMAND, frozen_as_of, render, revision_number, source
+from migrations.script import statements
 from tests.support.citus import has_citus
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = sorted((ROOT / "app" / "sql").glob("*.sql"))
 VERSIONS = ROOT / "migrations" / "versions"
 
-# Every function and trigger of the public schema, by name, as PostgreSQL renders it.
+# Every function, trigger and composite type (one that is no table's row) of the public
+# schema, by name, as PostgreSQL renders it.
 CATALOG = """
 SELECT 'function ' || p.oid::regprocedure::text, pg_get_functiondef(p.oid)
 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
 WHERE n.nspname = 'public'
+UNION ALL
+SELECT 'type ' || t.oid::regtype::text,
+       string_agg(a.attname || ' ' || format_type(a.atttypid, a.atttypmod), ', '
+                  ORDER BY a.attnum)
+FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace
+JOIN pg_class c ON c.oid = t.typrelid AND c.relkind = 'c'
+JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+WHERE n.nspname = 'public'
+GROUP BY t.oid
 UNION ALL
 SELECT 'trigger ' || t.tgname || ' on ' || c.relname, pg_get_triggerdef(t.oid)
 FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
@@ -46,9 +57,10 @@ def test_the_database_at_head_holds_exactly_the_functions_and_triggers_of_app_sq
     scratch_database: str,
 ) -> None:
     """Migrate an empty database to head; then drop every function (and so every trigger)
-    but the database's own secret, and install `app/sql/` alone: the catalog must come back
-    exactly as it was, so nothing in the database is missing from the source and nothing in
-    the source is missing from the database, and each function is byte for byte the same."""
+    but the database's own secret, and every composite type, and install `app/sql/` alone:
+    the catalog must come back exactly as it was, so nothing in the database is missing from
+    the source and nothing in the source is missing from the database, and each function and
+    type is byte for byte the same."""
     migrate(scratch_database)
     distributed = has_citus(scratch_database)
     with psycopg.connect(scratch_database) as conn:
@@ -61,6 +73,9 @@ def test_the_database_at_head_holds_exactly_the_functions_and_triggers_of_app_sq
         for name in at_head:
             if name.startswith("function ") and name != SECRET:
                 conn.execute(f"DROP FUNCTION {name.removeprefix('function ')} CASCADE")
+        for name in at_head:
+            if name.startswith("type "):
+                conn.execute(f"DROP TYPE {name.removeprefix('type ')}")
         assert catalog(conn).keys() == {SECRET}
         for path in SOURCE:
             conn.execute(path.read_text())
@@ -119,7 +134,7 @@ def test_each_revision_made_by_the_freeze_command_holds_what_the_command_makes()
         assert (VERSIONS / f"{name}.down.sql").read_text() == down, name
 
 
-# What a migration may change and its downgrade must restore: every function, trigger,
+# What a migration may change and its downgrade must restore: every function, trigger, type,
 # constraint and index of the public schema, and every table's columns (alembic's own
 # `alembic_version` aside).
 SCHEMA = (
@@ -148,7 +163,7 @@ def test_every_revision_s_downgrade_restores_the_schema_its_upgrade_found(
     scratch_database: str,
 ) -> None:
     """Revision by revision from an empty database: upgrade, downgrade, and the functions,
-    triggers, constraints, indexes and columns are exactly what they were; then upgrade.
+    triggers, types, constraints, indexes and columns are exactly what they were; then upgrade.
     On Citus from revision 0020 on: every upgrade ends by distributing, which the revisions
     before instance ids were derived cannot be (their unique keys leave out the distribution
     column), and 0020's downgrade refuses on a distributed database (see the test below)."""
@@ -176,3 +191,73 @@ def test_every_revision_s_downgrade_restores_the_schema_its_upgrade_found(
         )
         assert changed == [], f"downgrade of {revision} to {previous} left {changed}"
         command.upgrade(config, revision)
+
+
+def test_a_changed_type_is_made_again_with_the_functions_that_name_it(
+    scratch_database: str,
+) -> None:
+    """A type has no CREATE OR REPLACE: a revision that changes its file (here only a comment)
+    drops the functions whose result names it, then the type, and runs their files again; its
+    downgrade does the same the other way. Both run on a database at head."""
+    files = source()
+    files["answers.sql"] = files["answers.sql"] + "-- One more line.\n"
+    up, down = render("9999_retyped", files)
+    for text in (up, down):
+        assert "DROP FUNCTION steprecord_apply_event(" in text
+        assert "DROP FUNCTION steprecord_apply_events(" in text
+        assert "DROP FUNCTION steprecord_heartbeat(" not in text
+        assert text.index("DROP FUNCTION") < text.index("DROP TYPE steprecord_judged;")
+    assert "-- ===== app/sql/apply_event.sql =====" in up
+    assert "-- ===== app/sql/apply_events.sql =====" in up
+    migrate(scratch_database)
+    distributed = has_citus(scratch_database)
+    with psycopg.connect(scratch_database) as conn:
+        before = catalog(conn)
+        if distributed:  # the coordinator's catalog alone, as in the test above
+            conn.execute("SET LOCAL citus.enable_ddl_propagation = off")
+        for text in (up, down):
+            for statement in statements(text):
+                conn.execute(statement)
+            if distributed:
+                for statement in custom_plan_statements():
+                    conn.execute(statement)
+            assert catalog(conn) == before
+        conn.rollback()
+
+
+def test_the_two_history_triggers_hold_the_same_upsert() -> None:
+    """app/sql/attempt_history.sql writes the history's upsert twice, once in each trigger
+    function (its comment says why): a change of one is a change of both."""
+    text = (ROOT / "app" / "sql" / "attempt_history.sql").read_text()
+    upserts = re.findall(
+        r"\n    v_id := nextval\('workflow_step_attempt_id_seq'\);\n.*?;\n", text, re.S
+    )
+    assert len(upserts) == 2
+    assert upserts[0] == upserts[1]
+
+
+# One event as the service sends it (app/data/judge.py, APPLY_EVENT), a start of step `s`.
+ONE_EVENT = (
+    "SELECT * FROM steprecord_apply_event(steprecord_instance_id(%(key)s), 0, %(key)s, 's',"
+    " 'start', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 60)"
+)
+
+
+def test_a_statement_prepared_before_revision_0038_runs_after_it(scratch_database: str) -> None:
+    """Revision 0038 declares the judge's answer as a composite type with the same columns:
+    a running service's prepared statement is planned again, not refused (`cached plan must
+    not change result type`), so the release needs no restart of running instances."""
+    config = alembic_config()
+    config.attributes["database_url"] = scratch_database
+    command.upgrade(config, "0037")
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        before = conn.execute(ONE_EVENT, {"key": "prepared-1"}, prepare=True).fetchall()
+        columns = [
+            column.name
+            for column in conn.execute(ONE_EVENT, {"key": "prepared-2"}, prepare=True).description
+            or []
+        ]
+        migrate(scratch_database)
+        after = conn.execute(ONE_EVENT, {"key": "prepared-3"}, prepare=True)
+        assert [column.name for column in after.description or []] == columns
+        assert [row[1] for row in after.fetchall()] == [row[1] for row in before] == ["created"]

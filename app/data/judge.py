@@ -24,7 +24,8 @@ from app.data.common import RECORD, constraint_name, violation, with_key
 
 # The judge is a function in the database (app/sql/apply_events.sql says how it judges):
 # PostgreSQL plans it once per connection, through any pooler, where the statement it runs
-# cost twice its execution time to plan on every call. It takes $1 the events' indexes,
+# cost several times its execution time to plan on every call (a one-event call: 3 ms planned
+# each time, 0.6 ms with the kept plan, on PostgreSQL 15). It takes $1 the events' indexes,
 # then one array per field of `PARAMS`, in order, then the request's trace id (NULL for
 # none: the attempts the events start keep it), then the writer (the request's token's name,
 # or `anonymous`: every record written takes it as `updated_by`), then each event's labels

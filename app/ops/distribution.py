@@ -41,7 +41,8 @@ names it (the migration's transaction rolled back):
    is delegated too when a downgrade brings it back.)
 5. The judge's functions whose statements join distributed tables plan each statement with
    its values (`force_custom_plan`): Citus routes such a statement to one shard only when it
-   sees the distribution column's value, which a generic plan hides behind a parameter.
+   sees the distribution column's value, which a generic plan hides behind a parameter (a
+   join of distributed tables under a generic plan: "could not create distributed plan").
    `steprecord_apply_event` is not among them: each of its statements reads or writes one
    table by its distribution column, which Citus routes with a generic plan, kept per
    connection as on one node.

@@ -11,11 +11,16 @@ froze, whole, after a line `-- ===== app/sql/NAME.sql =====`, and a line
 `-- ===== app/sql/NAME.sql removed =====` for each file that left `app/sql/`; so the text of
 every file as of any revision is the last such section at or before it. Functions whose
 arguments or result change, or that go away, are dropped first: PostgreSQL changes a
-function's arguments only by dropping and creating it. The downgrade drops what the upgrade
-created or changed that way and restores the previous text of each file it froze or removed.
+function's arguments only by dropping and creating it. A type (`CREATE TYPE name AS`) has no
+CREATE OR REPLACE: when its file changes or goes, it is dropped and its file run again, after
+every function whose arguments or result name it is dropped too (and the files of those
+functions are frozen again, whole, so they are created again). The downgrade drops what the
+upgrade created or changed that way and restores the previous text of each file it froze or
+removed.
 """
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +32,7 @@ _SECTION = re.compile(r"^-- ===== app/sql/([\w.-]+\.sql) =====\n", re.MULTILINE)
 _REMOVED = re.compile(r"^-- ===== app/sql/([\w.-]+\.sql) removed =====$", re.MULTILINE)
 _OTHER_SECTION = re.compile(r"^-- ===== ", re.MULTILINE)
 _FUNCTION = re.compile(r"CREATE OR REPLACE FUNCTION (\w+)\s*\(")
+_TYPE = re.compile(r"^CREATE TYPE (\w+) AS\b", re.MULTILINE)
 _REVISION = re.compile(r"^(\d{4})_\w+$")
 
 
@@ -106,13 +112,35 @@ def functions(files: dict[str, str]) -> dict[str, Function]:
     return found
 
 
-def _drops(gone: dict[str, Function], kept: dict[str, Function]) -> list[str]:
-    """DROP FUNCTION of each function of `gone` that `kept` lacks or declares otherwise."""
+def types(files: dict[str, str]) -> set[str]:
+    """The types the files create, by name."""
+    return {match.group(1) for text in files.values() for match in _TYPE.finditer(text)}
+
+
+def _naming(function: Function, names: Collection[str]) -> bool:
+    """Whether the function's arguments or result name one of the types `names`."""
+    return any(re.search(rf"\b{name}\b", function.header) for name in names)
+
+
+def _users(files: dict[str, str], names: set[str]) -> list[str]:
+    """The files that create a function whose arguments or result name one of `names`."""
+    return [
+        file
+        for file, text in files.items()
+        if any(_naming(function, names) for function in functions({file: text}).values())
+    ]
+
+
+def _drops(
+    gone: dict[str, Function], kept: dict[str, Function], retyped: Collection[str] = ()
+) -> list[str]:
+    """DROP FUNCTION of each function of `gone` that `kept` lacks or declares otherwise, or
+    that names a type of `retyped` (dropped and created again); then DROP TYPE of those."""
     return [
         f"DROP FUNCTION {function.signature};"
         for name, function in gone.items()
-        if name not in kept or kept[name].header != function.header
-    ]
+        if name not in kept or kept[name].header != function.header or _naming(function, retyped)
+    ] + [f"DROP TYPE {name};" for name in sorted(retyped)]
 
 
 def render(name: str, files: dict[str, str] | None = None) -> tuple[str, str]:
@@ -125,6 +153,13 @@ def render(name: str, files: dict[str, str] | None = None) -> tuple[str, str]:
     changed = [file for file in sorted(new) if new[file] != old.get(file)]
     if not changed and not removed:
         raise ValueError("app/sql/ is as the revisions before froze it: nothing to freeze")
+    # The types the upgrade drops (their files change or go), and those the downgrade drops
+    # (the files the upgrade runs create them); the functions that name them go with them,
+    # and the files of those functions are run again.
+    retyped = types({file: old[file] for file in [*changed, *removed] if file in old})
+    created = types({file: new[file] for file in changed})
+    rerun = sorted({*changed, *_users(new, retyped)})
+    restored = sorted({*changed, *removed, *_users(old, created)} & old.keys())
     previous = f"{number - 1:04d}"
     made = [
         f"-- Made by `{COMMAND} {name}`. Never edit it: the source is app/sql/;",
@@ -135,11 +170,14 @@ def render(name: str, files: dict[str, str] | None = None) -> tuple[str, str]:
         f"-- {previous}, whole.",
         *made,
     ]
-    gone = {file: old[file] for file in [*changed, *removed] if file in old}
-    drops = _drops(functions(gone), functions(new))
+    gone = {file: old[file] for file in rerun + removed if file in old}
+    drops = _drops(functions(gone), functions(new), retyped)
     if drops:
-        up += ["", "-- Functions whose arguments or result change, or that go away:", *drops]
-    for file in changed:
+        what = "Functions whose arguments or result change, or that go away"
+        if retyped:
+            what += ", and the types made again with the functions that name them"
+        up += ["", f"-- {what}:", *drops]
+    for file in rerun:
         up += ["", f"-- ===== app/sql/{file} =====", new[file].rstrip("\n")]
     for file in removed:
         up += ["", f"-- ===== app/sql/{file} removed ====="]
@@ -147,12 +185,15 @@ def render(name: str, files: dict[str, str] | None = None) -> tuple[str, str]:
         f"-- Revision {name}, downgrade: the same files as of revision {previous}.",
         *made,
     ]
-    drops = _drops(functions({file: new[file] for file in changed}), functions(old))
+    made_here = {file: new[file] for file in sorted({*rerun, *_users(new, created)})}
+    drops = _drops(functions(made_here), functions(old), created)
     if drops:
-        down += ["", "-- Functions this revision created or declared otherwise:", *drops]
-    for file in sorted([*changed, *removed]):
-        if file in old:
-            down += ["", f"-- ===== app/sql/{file} as of revision {previous} =====", old[file]]
+        what = "Functions this revision created or declared otherwise"
+        if created:
+            what += ", and the types it created, with the functions that name them"
+        down += ["", f"-- {what}:", *drops]
+    for file in restored:
+        down += ["", f"-- ===== app/sql/{file} as of revision {previous} =====", old[file]]
     return "\n".join(up) + "\n", "\n".join(down).rstrip("\n") + "\n"
 
 

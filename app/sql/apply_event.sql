@@ -46,6 +46,7 @@
 --      (`@>`), so an orchestrator that sends the same labels with every event writes them
 --      once. Its row lock is taken after the record's, as a batch takes them
 --      (apply_events.sql), and only then. A new instance is created with them (5).
+-- Answer: one row, a steprecord_judged (answers.sql), as steprecord_apply_events answers.
 -- An answer with no row: the instance went away between its creation and its lock (a
 -- concurrent DELETE): the caller calls again.
 --
@@ -60,21 +61,16 @@ CREATE OR REPLACE FUNCTION steprecord_apply_event(
     p_external_output_url text, p_error_code text, p_error_message text, p_ordinal bigint,
     p_lease_seconds int, p_trace_id text DEFAULT NULL, p_reported_by text DEFAULT NULL,
     p_labels jsonb DEFAULT NULL
-) RETURNS TABLE (
-    i integer, outcome text, recorded boolean,
-    id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
-    output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
-    lease_expires_at timestamptz, error_code text, error_message text,
-    created_at timestamptz, updated_at timestamptz, updated_by text
-)
+) RETURNS SETOF steprecord_judged
 LANGUAGE plpgsql
 SECURITY DEFINER SET search_path = pg_catalog, public, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $fn$
 #variable_conflict use_column
 DECLARE
-    -- The call's clock reading, a value: Citus runs only IMMUTABLE functions inside a write
-    -- of a distributed table, so the statements below never call a clock.
+    -- The call's clock reading, a value: Citus refuses a VOLATILE function (clock_timestamp)
+    -- in an UPDATE of a distributed table, and any but an IMMUTABLE one in an upsert's DO
+    -- UPDATE SET, so the statements below never call a clock.
     v_now timestamptz := clock_timestamp();
     v_id bigint := steprecord_instance_id(p_instance_key);
     v_status text := judge_event_status(p_kind);

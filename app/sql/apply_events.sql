@@ -21,9 +21,10 @@
 -- The events must be of distinct steps: each is judged as if alone (the caller splits a
 -- list where a step repeats, so later events of a step see the earlier ones' effects).
 --
--- Answer: one row per event, its index `i`, the `outcome`, whether a late report was
--- `recorded` in the history (below), and the record after the event (or as it stands, when
--- the event was refused; NULLs when there is none), its columns as app/record.py lists them:
+-- Answer: one row per event (a steprecord_judged, answers.sql), its index `i`, the `outcome`,
+-- whether a late report was `recorded` in the history (below), and the record after the event
+-- (or as it stands, when the event was refused; NULLs when there is none), its columns as
+-- app/core/record.py lists them:
 --   created        the event made the record;
 --   applied        the event was newer than the record and is now the record;
 --   replay         the same position and content as recorded, or a late start/declare of
@@ -72,13 +73,7 @@ CREATE OR REPLACE FUNCTION steprecord_apply_events(
     p_external_output_url text[], p_error_code text[], p_error_message text[],
     p_ordinal bigint[], p_lease_seconds int[], p_trace_id text DEFAULT NULL,
     p_reported_by text DEFAULT NULL, p_labels jsonb[] DEFAULT NULL
-) RETURNS TABLE (
-    i integer, outcome text, recorded boolean,
-    id bigint, step_slug text, ordinal integer, status text, attempt_count integer,
-    output text, external_output_url text, started_at timestamptz, completed_at timestamptz,
-    lease_expires_at timestamptz, error_code text, error_message text,
-    created_at timestamptz, updated_at timestamptz, updated_by text
-)
+) RETURNS SETOF steprecord_judged
 LANGUAGE plpgsql
 SECURITY DEFINER SET search_path = pg_catalog, public, pg_temp
 SET plan_cache_mode = force_generic_plan
@@ -87,7 +82,8 @@ AS $fn$
 DECLARE
     -- One clock reading per call, a value (clock_timestamp, not now(): a retried call in the
     -- same transaction reads anew). The statement below uses it, never a clock call: Citus
-    -- runs only IMMUTABLE functions inside a write of a distributed table.
+    -- refuses a VOLATILE function in an UPDATE of a distributed table, and any but an
+    -- IMMUTABLE one in an upsert's DO UPDATE SET.
     v_now timestamptz := clock_timestamp();
     -- The events' instance ids (instance_id.sql), a value every read and write below names
     -- (`= ANY (v_ids)`): on Citus, where the function plans each statement with its values

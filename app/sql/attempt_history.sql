@@ -4,24 +4,26 @@
 -- Three functions, three triggers:
 --   * workflow_step_record_history_insert / _update (row triggers, AFTER each inserted or
 --     updated row of workflow_step_record): every write to a record — the judge, a batch,
---     the sweeper, a hand-written UPDATE — brings its history up to date. Row triggers, not
---     statement triggers with transition tables: on Citus a trigger runs on the shard, where
---     no transition table can be found; a row trigger writes the history's row on the shard
---     beside its record's (co-located by instance_id: every statement below names the
---     instance id as a value, so Citus routes it to that one shard). The entry's id is
---     taken from its sequence before the upsert and passed as a value: a statement with
---     no volatile function in it is one whose plan Citus keeps for the shard (planned once
---     per connection and shard); with the identity's default in it, Citus planned the
---     upsert again for every row, about 80 µs a record written on a worker;
+--     the sweeper, a hand-written UPDATE — brings its history up to date. On Citus a trigger
+--     runs on the shard, and writes the history's row on the shard beside its record's
+--     (co-located by instance_id: every statement below names the instance id as a value,
+--     so Citus routes it to that one shard). The entry's id is taken from its sequence
+--     before the upsert and passed as a value: Citus keeps the plan of a statement routed to
+--     one shard of its own node (planned once per connection and shard) only when the
+--     statement holds no volatile function, such as the identity's default;
 --   * workflow_step_attempt_guard (row trigger on workflow_step_attempt): the history is
 --     written only by those triggers, and a finished attempt never changes.
 
 -- After a record is inserted: its attempt, unless it is pending (a pending record has no
--- attempt yet: the trigger's WHEN skips it). _update below repeats this upsert word for word
--- (a trigger function calling a shared one would cost a second call per row; a change of one
--- is a change of both): an attempt row exists from the moment its attempt starts and is brought up to date by every
--- write of its record; the WHERE skips writes that change nothing the history shows. A
--- running attempt mirrors the record's lease; a finished one keeps the last lease it held.
+-- attempt yet: the trigger's WHEN skips it). _update below repeats this upsert word for word,
+-- and tests/test_sql_source.py holds the two equal: a shared function that both called would
+-- add a PL/pgSQL call per row written, and one function serving both triggers would be a new
+-- function, which a revision can install only by dropping both triggers first (DROP TRIGGER
+-- locks the records ACCESS EXCLUSIVE, reads too, until the migration commits; CREATE OR
+-- REPLACE TRIGGER, SHARE ROW EXCLUSIVE). An attempt row exists from the moment its attempt
+-- starts and is brought up to date by every write of its record; the WHERE skips writes that
+-- change nothing the history shows. A running attempt mirrors the record's lease; a
+-- finished one keeps the last lease it held.
 -- An entry written names its record's writer (reported_by = the record's updated_by):
 -- whoever last wrote the record last wrote the entry.
 CREATE OR REPLACE FUNCTION workflow_step_record_history_insert() RETURNS trigger

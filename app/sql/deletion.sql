@@ -5,14 +5,15 @@
 -- CASCADE.
 --
 -- Lock, then judge: two statements, the second of which takes its snapshot after the first's
--- lock was granted (each statement of a plpgsql function takes a new one), so it sees every
--- step committed before, also one created by a writer that held the instance's lock while
--- the first waited (one statement that locked and judged would judge on its own older
--- snapshot, miss that step, and then fail on it, or delete it unjudged). The second locks the
+-- lock was granted (at READ COMMITTED each statement of a VOLATILE function, as these are,
+-- takes a new one), so it sees every step committed before, also one created by a writer
+-- that held the instance's lock while the first waited (one statement that locked and judged
+-- would judge on its own older snapshot, miss that step, and then fail on it, or delete it
+-- unjudged). The second locks the
 -- records too, in id order (a writer updating one finishes first, and the check of what is
 -- running reads the newest versions). On Citus every statement names the instance's id, so it
 -- runs on the one worker that holds the instance; distribution makes these functions plan each
--- statement with its values (app/distribution.py), so Citus sees that id.
+-- statement with its values (app/ops/distribution.py), so Citus sees that id.
 
 -- One instance, by its id and key: `present` false when there is no such instance; otherwise
 -- its running steps and its repairs when it was judged, and `deleted` 1 when it went. Without

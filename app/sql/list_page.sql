@@ -19,7 +19,7 @@
 --
 -- The instance is found by its id, derived from its key, and its key: on Citus the id names
 -- the shard, so each read goes to the one worker that holds the instance (Citus plans this
--- function with its values there, app/distribution.py).
+-- function with its values there, app/ops/distribution.py).
 --
 -- Each of the three reads is one range scan of one index under its LIMIT, whatever the
 -- parameters (a loop of PL/pgSQL reads its rows a few at a time, and stops reading there): (instance_id, ordinal), or (instance_id, started_at, id) twice, appended.

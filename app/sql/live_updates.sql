@@ -22,10 +22,9 @@ FOR EACH ROW EXECUTE FUNCTION workflow_step_record_set_changed_xid();
 -- One notification per record written, with the instance's id as payload. PostgreSQL
 -- delivers it only when the transaction commits (never for a rollback) and drops duplicates
 -- within a transaction, so listeners hear each committed write once per instance; a replay
--- or a refused event writes nothing and so notifies nothing. A row trigger, not a statement
--- trigger with a transition table: on Citus the trigger runs on the worker's shard, where
--- transition tables are refused, and the notification comes from that worker (the service
--- listens on every worker; see app/live.py).
+-- or a refused event writes nothing and so notifies nothing. On Citus the trigger runs on
+-- the worker's shard, and the notification comes from that worker (the service listens on
+-- every worker; see app/live.py).
 CREATE OR REPLACE FUNCTION workflow_step_record_notify() RETURNS trigger
 LANGUAGE plpgsql AS $fn$
 BEGIN

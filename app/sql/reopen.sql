@@ -45,8 +45,9 @@ SET plan_cache_mode = force_generic_plan
 AS $fn$
 #variable_conflict use_column
 DECLARE
-    -- The call's clock reading, a value: Citus runs only IMMUTABLE functions inside a write
-    -- of a distributed table, so the statements below never call a clock.
+    -- The call's clock reading, a value: Citus refuses a VOLATILE function (clock_timestamp)
+    -- in an UPDATE of a distributed table, and any but an IMMUTABLE one in an upsert's DO
+    -- UPDATE SET, so the statements below never call a clock.
     v_now timestamptz := clock_timestamp();
     v_outcome text;
     -- The record as it stands (a `record`, not workflow_step_record%ROWTYPE: on Citus the

@@ -1,4 +1,4 @@
--- The sweeper's write (app/sweeper.py, app/data/leases.py): fail each running attempt of one
+-- The sweeper's write (app/ops/sweeper.py, app/data/leases.py): fail each running attempt of one
 -- instance whose lease expired, as a `fail` event of that attempt would (error
 -- `lease_expired`, completed_at = the expiry), in one statement; the number of records it
 -- failed. A definer function (owner_rights.sql): the service's role writes no record itself.
