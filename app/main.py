@@ -16,10 +16,6 @@ from alembic.script import ScriptDirectory
 from fastapi import FastAPI
 from psycopg.conninfo import make_conninfo
 
-# The order these load in decides the order of one enum in the OpenAPI document: the status
-# filter's `Literal["running", "failed"] | None` (app/api/routes/instances.py) and
-# `reads.Trouble | None` (app/data/reads.py) are one entry of typing's union cache, so the one
-# made while the other is still cached takes its order. tests/test_openapi.py catches a change.
 from app import __version__, gate, live
 from app.access.tokens import Tokens
 from app.api import docs, routes, spec

@@ -160,7 +160,9 @@ async def get_instance(conn: AsyncConn, instance_key: str) -> dict[str, Any]:
     return shaped_instance(row)
 
 
-Trouble = Literal["failed", "running"]
+# In the order the list's status filter names them (app/api/routes/instances.py): typing keeps
+# one of two equal Literals, and the OpenAPI document writes the enum in its order.
+Trouble = Literal["running", "failed"]
 
 # Keys starting with a prefix: the range is what the index `ix_process_instance_instance_key_
 # prefix` reads (text_pattern_ops: byte order, in which a prefix is a range), in any plan;
