@@ -10,6 +10,7 @@ their records, history and repair log follow); their downgrades keep every row.
 
 import hashlib
 import hmac
+import uuid
 from typing import Any
 
 import httpx
@@ -307,3 +308,20 @@ def test_events_of_a_key_whose_id_another_key_holds_are_refused_and_write_nothin
             " WHERE r.instance_id = p.id) FROM process_instance p ORDER BY 1"
         ).fetchall()
     assert instances == [("impostor", 0), ("other", 1)]
+
+
+def test_an_instance_is_written_where_the_search_path_is_empty(database_url: str) -> None:
+    """pg_restore, and the apply worker of the logical replication that moves a shard on Citus,
+    write rows with an empty search_path, and the CHECK ck_process_instance_id_derived calls
+    steprecord_instance_id there: its body must find the database's secret by its schema."""
+    key = f"restored-{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(database_url) as conn:
+        conn.execute("SET LOCAL search_path = ''")
+        row = conn.execute(
+            "INSERT INTO public.process_instance (id, instance_key)"
+            " VALUES (public.steprecord_instance_id(%(key)s), %(key)s) RETURNING id",
+            {"key": key},
+        ).fetchone()
+        conn.rollback()
+    assert row is not None
+    assert row[0] == hmac_prefix(database_secret(database_url), key)

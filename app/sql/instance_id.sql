@@ -20,6 +20,10 @@
 -- and the CHECK ck_process_instance_id_derived ties the id to its key, so the second key's
 -- instance cannot be created; the judge answers its events `instance_key_collision`.
 --
+-- The secret's function is named with its schema: a CHECK calls this function wherever a row
+-- is written, also where the search_path is empty (pg_restore, and the apply worker of the
+-- logical replication that moves a shard on Citus), and an unqualified name is not found there.
+--
 -- IMMUTABLE: the id of a key never changes (convert_to names its encoding; keys are ASCII;
 -- the secret is a constant, replaced only by a migration that rewrites every id with it).
 -- PostgreSQL does not inline it (convert_to is STABLE, and an IMMUTABLE function whose body
@@ -31,5 +35,5 @@ AS $fn$
     SELECT ('x' || left(encode(sha256(
         substr(k, 65, 64) || sha256(substr(k, 1, 64) || convert_to(p_key, 'UTF8'))
     ), 'hex'), 16))::bit(64)::bigint
-    FROM steprecord_instance_id_key() AS k
+    FROM public.steprecord_instance_id_key() AS k
 $fn$;
