@@ -432,9 +432,22 @@ def test_the_page_function_reads_its_index_and_sorts_nothing(
 ) -> None:
     """The records come from the index, in order, under the page's LIMIT. On Citus, on the
     worker that holds the instance, where the function's statements run on its shards (the
-    table is committed, for that worker to see)."""
+    table is committed, for that worker to see).
+
+    The instance read holds 10,000 steps not yet started (the case the index is for): with a
+    hundred, sorting them is as cheap as reading them in order, and which plan wins then turns
+    on where the instance's rows lie in its shard, which the instance id (keyed by each
+    database's own secret) makes different on every run."""
     with psycopg.connect(database_url, autocommit=True) as conn:
         load_big_table(conn)
+        conn.execute("""
+            INSERT INTO workflow_step_record
+                (instance_id, step_slug, ordinal, status, attempt_count)
+            SELECT p.id, 'step-' || s, s, 'pending', 1
+            FROM process_instance p, generate_series(1000, 10899) s
+            WHERE p.id = steprecord_instance_id('run-50')
+        """)
+        conn.execute("ANALYZE workflow_step_record")
     params = ["run-50", order, 10, after_started_at, 0, None, 51, reads.PAGE_READ_BYTES]
     with psycopg.connect(node_of(database_url, "run-50")) as conn:
         text = function_plans(conn, reads.LIST_PAGE, params)
