@@ -245,3 +245,24 @@ def page(browser: Browser, server_url: str) -> Iterator[Page]:
         yield context.new_page()
     finally:
         context.close()
+
+
+# On the Citus run (STEPRECORD_TEST_CITUS=1), the tests that reach a database through one of
+# these fixtures, and the cluster's own tests; the others (pure functions, a server of their
+# own on one node) run the same in the one-node run, so the cluster's run leaves them out.
+CLUSTER_FIXTURES = {"server_dsn", "citus", "own_citus"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("STEPRECORD_TEST_CITUS") != "1":
+        return
+    kept: list[pytest.Item] = []
+    left: list[pytest.Item] = []
+    for item in items:
+        on_cluster = item.path.name.startswith("test_citus") or not CLUSTER_FIXTURES.isdisjoint(
+            getattr(item, "fixturenames", ())
+        )
+        (kept if on_cluster else left).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = kept
