@@ -17,6 +17,7 @@ import httpx
 import psycopg
 import pytest
 from alembic import command
+from psycopg import sql
 
 from app.cli.migrate import migrate
 from app.main import alembic_config
@@ -60,6 +61,31 @@ def test_an_instance_id_is_the_first_8_bytes_of_its_key_s_hmac_under_the_databas
             row = conn.execute("SELECT steprecord_instance_id(%s)", (key,)).fetchone()
             assert row == (hmac_prefix(secret, key),)
             assert row != (sha256_prefix(key),)
+
+
+def test_the_id_function_is_inlined_and_gives_the_hmac_of_any_text_s_utf8_bytes(
+    scratch_database: str,
+) -> None:
+    """Revision 0039 reads the key's bytes by `decode(..., 'escape')` of the key with its
+    backslashes doubled, not by the STABLE `convert_to`, so that PostgreSQL inlines the
+    function: the same bytes, also for a text with backslashes (an escape's look-alikes) or
+    beyond ASCII, computed in a statement's kept plan (a parameter) as when the planner folds
+    a constant."""
+    migrate(scratch_database)
+    secret = database_secret(scratch_database)
+    texts = (*KEYS, "a\\b", "\\x41", "\\101", "\\\\", "é-ü-日本", "tab\there")
+    with psycopg.connect(scratch_database) as conn:
+        conn.execute("PREPARE by_key(text) AS SELECT steprecord_instance_id($1)")
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        for text in texts:
+            expected = (hmac_prefix(secret, text),)
+            assert conn.execute("SELECT steprecord_instance_id(%s)", (text,)).fetchone() == expected
+            execute = sql.SQL("EXECUTE by_key({})").format(sql.Literal(text))
+            assert conn.execute(execute).fetchone() == expected
+        plan = conn.execute("EXPLAIN (VERBOSE, COSTS OFF) EXECUTE by_key('k')").fetchall()
+    # Inlined: the plan computes the HMAC itself (sha256), not a call of the function.
+    assert "sha256" in str(plan), plan
+    assert "steprecord_instance_id" not in str(plan), plan
 
 
 def test_each_database_makes_a_secret_of_its_own_so_a_key_s_id_cannot_be_known_outside_it(

@@ -24,16 +24,27 @@
 -- is written, also where the search_path is empty (pg_restore, and the apply worker of the
 -- logical replication that moves a shard on Citus), and an unqualified name is not found there.
 --
--- IMMUTABLE: the id of a key never changes (convert_to names its encoding; keys are ASCII;
--- the secret is a constant, replaced only by a migration that rewrites every id with it).
--- PostgreSQL does not inline it (convert_to is STABLE, and an IMMUTABLE function whose body
--- calls a STABLE one is not inlined: EXPLAIN VERBOSE shows the call), so a statement calls it
--- once per key it computes; given a constant key, the planner computes it once, when it plans.
+-- IMMUTABLE: the id of a key never changes (keys are ASCII, by the CHECK
+-- ck_process_instance_instance_key_format; the secret is a constant, replaced only by a
+-- migration that rewrites every id with it).
+--
+-- Written so that PostgreSQL inlines it (revision 0039): one expression of IMMUTABLE functions
+-- only, no FROM. The key's bytes are `decode(replace(p_key, '\', '\\'), 'escape')`: the
+-- text's own bytes in the database's encoding (every backslash doubled, so `escape` reads
+-- none as an escape), which are its UTF-8 bytes in a UTF8 database and, for an ASCII key, in
+-- any encoding; revision 0036's `convert_to(p_key, 'UTF8')` gave the same bytes, but is
+-- STABLE, so the function was not inlined and every call ran its body as a query of its own
+-- (parsed, planned and run each time, and on Citus through Citus's planner and executor
+-- too): about a third of a replayed event's CPU on one node. Inlined, a statement or a PL/pgSQL
+-- expression that calls it with a parameter (the judge's own `v_id`) computes the two
+-- SHA-256 in its kept plan; given a constant key, the planner still computes it once, when
+-- it plans (then PostgreSQL runs the body as a query once, as before).
 CREATE OR REPLACE FUNCTION steprecord_instance_id(p_key text) RETURNS bigint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $fn$
     SELECT ('x' || left(encode(sha256(
-        substr(k, 65, 64) || sha256(substr(k, 1, 64) || convert_to(p_key, 'UTF8'))
+        substr(public.steprecord_instance_id_key(), 65, 64)
+        || sha256(substr(public.steprecord_instance_id_key(), 1, 64)
+                  || decode(replace(p_key, '\', '\\'), 'escape'))
     ), 'hex'), 16))::bit(64)::bigint
-    FROM public.steprecord_instance_id_key() AS k
 $fn$;
