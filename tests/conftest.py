@@ -166,6 +166,11 @@ def _clean_tables(request: pytest.FixtureRequest) -> None:
         return
     database_url: str = request.getfixturevalue("database_url")
     with psycopg.connect(database_url, autocommit=True) as conn:
+        # Every row of the four tables hangs off an instance (their foreign keys), so without
+        # an instance they are empty: a test that wrote nothing leaves nothing to empty. On
+        # Citus the TRUNCATE takes about 0.2 s (every shard, in two phases), the look 1 ms.
+        if conn.execute("SELECT 1 FROM process_instance LIMIT 1").fetchone() is None:
+            return
         conn.execute(
             # In the order the writers lock them (the sweeper takes the record, then the
             # history), so a sweep in flight cannot deadlock with the cleanup.
