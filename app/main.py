@@ -16,18 +16,18 @@ from alembic.script import ScriptDirectory
 from fastapi import FastAPI
 from psycopg.conninfo import make_conninfo
 
-from app import __version__, gate, live
-from app.access.tokens import Tokens
-from app.api import docs, routes, spec
-from app.core import problems, shares, tracing
-from app.core.config import Settings
-from app.core.db import DatabaseUnavailable, Pool
-from app.core.domain import SchemaMissing
-from app.dashboard import pages, rendering
-from app.data import placement
-from app.ops import observe, pruning, readiness, replica, server, sweeper
-from app.ops.nodes import Nodes
-from app.ops.observe import Observe
+from . import __version__, gate, live
+from .access.tokens import Tokens
+from .api import docs, routes, spec
+from .core import problems, shares, tracing
+from .core.config import Settings
+from .core.db import DatabaseUnavailable, Pool
+from .core.domain import SchemaMissing
+from .dashboard import pages, rendering
+from .data import placement
+from .ops import observe, pruning, readiness, replica, server, sweeper
+from .ops.nodes import Nodes
+from .ops.observe import Observe
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 

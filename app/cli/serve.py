@@ -15,11 +15,11 @@ import uvicorn
 from psycopg.rows import dict_row
 from uvicorn.supervisors import Multiprocess
 
-from app.cli.migrate import NotOwner, database, migrate
-from app.core.config import Settings, is_loopback, redact
-from app.data import tokens
-from app.ops.distribution import CoordinatorUnknown, WorkerUnreachable, schema_url
-from app.ops.server import ServerConfig
+from ..core.config import Settings, is_loopback, redact
+from ..data import tokens
+from ..ops.distribution import CoordinatorUnknown, WorkerUnreachable, schema_url
+from ..ops.server import ServerConfig
+from .migrate import NotOwner, database, migrate
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
