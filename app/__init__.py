@@ -17,6 +17,12 @@ The packages, each importing only the ones before it (tests/test_layers.py check
 - `main` wires them into the app, and `cli` is the `steprecord` command, a module per
   subcommand.
 
+Installed, this package is `steprecord` and `migrations/` is `steprecord.migrations` inside it
+(pyproject.toml maps them): nothing generic at the top of site-packages. In a clone they are the
+folders `app/` and `migrations/`, so every module here imports the others relatively, the same
+files under either name; `migrations/env.py` and the revisions, which alembic loads by path,
+name neither (`app.main.migration_environment`, `app/data/migrating.py`).
+
 One event, from request to row (`POST /v1/instances/{key}/steps/{slug}/start`):
 `app/gate.py` lets the request in (`app/access/tokens.py`: its token, its `Admission`);
 `app/api/routes/events.py` handles it: `app/access/tenancy.py` checks the key's prefix,
@@ -30,6 +36,13 @@ rendered by `app/core/serialize.py`. The row's trigger (`app/sql/live_updates.sq
 and `app/live.py` wakes the instance's streams, which read it through `app/data/stream.py`.
 """
 
+from pathlib import Path
+
 # The one place the version is written: the wheel's metadata, `steprecord --version` and the
 # OpenAPI document take it from here.
 __version__ = "0.1.0"
+
+# `migrations/`: inside this package when installed (`steprecord/migrations`), beside it in a
+# clone. The service runs them (`alembic_config()`), `python -m app.sql freeze` writes to them.
+_INSTALLED = Path(__file__).resolve().parent / "migrations"
+MIGRATIONS = _INSTALLED if _INSTALLED.is_dir() else _INSTALLED.parent.parent / "migrations"

@@ -23,13 +23,13 @@ import re
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.access import tenancy
-from app.access.tokens import ADMISSION, Admission, Tokens
-from app.api import docs
-from app.core import shares
-from app.core.config import is_loopback
-from app.core.problems import Problem, problem_response
-from app.dashboard import signin
+from .access import tenancy
+from .access.tokens import ADMISSION, Admission, Tokens
+from .api import docs
+from .core import shares
+from .core.config import is_loopback
+from .core.problems import Problem, problem_response
+from .dashboard import signin
 
 OPEN_PATHS = frozenset(
     {"/healthz", "/readyz", "/openapi.json", *docs.OPEN_PATHS, *signin.OPEN_PATHS}

@@ -69,14 +69,14 @@ from psycopg.rows import dict_row
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.access import tokens
-from app.core import domain
-from app.core.db import AsyncConn, DatabaseUnavailable
-from app.core.problems import validation_problem
-from app.core.serialize import dumps, record_json
-from app.data import replication, stream
-from app.ops.observe import STREAMS_OPEN
-from app.ops.replica import ReadPool
+from .access import tokens
+from .core import domain
+from .core.db import AsyncConn, DatabaseUnavailable
+from .core.problems import validation_problem
+from .core.serialize import dumps, record_json
+from .data import replication, stream
+from .ops.observe import STREAMS_OPEN
+from .ops.replica import ReadPool
 
 log = logging.getLogger("steprecord.live")
 

@@ -7,34 +7,40 @@ import secrets
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import psycopg
 from alembic.config import Config
+from alembic.runtime.environment import EnvironmentContext
 from alembic.script import ScriptDirectory
 from fastapi import FastAPI
 from psycopg.conninfo import make_conninfo
+from sqlalchemy import Connection
 
-from app import __version__, gate, live
-from app.access.tokens import Tokens
-from app.api import docs, routes, spec
-from app.core import problems, shares, tracing
-from app.core.config import Settings
-from app.core.db import DatabaseUnavailable, Pool
-from app.core.domain import SchemaMissing
-from app.dashboard import pages, rendering
-from app.data import placement
-from app.ops import observe, pruning, readiness, replica, server, sweeper
-from app.ops.nodes import Nodes
-from app.ops.observe import Observe
-
-MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+from . import MIGRATIONS, __version__, gate, live
+from .access.tokens import Tokens
+from .api import docs, routes, spec
+from .core import problems, shares, tracing
+from .core.config import Settings
+from .core.db import DatabaseUnavailable, Pool, sync_engine
+from .core.domain import SchemaMissing
+from .core.tables import metadata
+from .dashboard import pages, rendering
+from .data import migrating, placement  # noqa: F401 (registers the migrations' operations)
+from .data.revision import MIGRATION_LOCK
+from .data.roles import keep_grants
+from .ops import observe, pruning, readiness, replica, server, sweeper
+from .ops.distribution import distribute, has_citus, reaching_workers
+from .ops.nodes import Nodes
+from .ops.observe import Observe
 
 
 def alembic_config() -> Config:
+    """Alembic's config for this code's migrations; it hands `migrations/env.py` the migration
+    environment (`migration_environment`)."""
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
+    config.attributes["environment"] = migration_environment
     return config
 
 
@@ -49,6 +55,65 @@ def schema_head() -> str:
 # new release migrates ahead while this one still serves: /readyz stays 200 on them, and
 # `migrate` leaves such a database as it is. Any other revision ahead is 503.
 COMPATIBLE_AHEAD: frozenset[str] = frozenset()
+
+
+def migration_environment(context: EnvironmentContext) -> None:
+    """Alembic's environment (`migrations/env.py` calls it): runs the migrations on one
+    connection from `sync_engine`, with the operations they use beyond alembic's own
+    registered (`app/data/migrating.py`)."""
+    if context.is_offline_mode():
+        raise SystemExit("offline (--sql) migrations are not supported; review the versions/ files")
+    config = context.config
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        _upgrade_on(context, connection)
+        return
+    url = config.attributes.get("database_url")
+    if url is None:
+        configured = Settings().database_url
+        if configured is None:
+            raise SystemExit("set DATABASE_URL, or run `steprecord migrate`")
+        url = configured.get_secret_value()
+    engine = sync_engine(url)
+    try:
+        with engine.connect() as conn:
+            _upgrade_on(context, conn)
+    finally:
+        engine.dispose()
+
+
+def _upgrade_on(context: EnvironmentContext, connection: Connection) -> None:
+    context.configure(connection=connection, target_metadata=metadata)
+    with context.begin_transaction():
+        connection.exec_driver_sql(MIGRATION_LOCK)
+        current = context.get_context().get_current_revision()
+        if current in COMPATIBLE_AHEAD:
+            print(
+                f"the database is at {current}, ahead of this code and compatible with it:"
+                " left as it is",
+                file=sys.stderr,
+            )
+            return
+        if has_citus(connection):
+            # One connection per worker for the whole run: a migration that reads or writes
+            # the distributed tables (a downgrade's guard counts what it would lose) and then
+            # drops or creates a distributed function is refused otherwise.
+            connection.exec_driver_sql("SET LOCAL citus.multi_shard_modify_mode = 'sequential'")
+        # On Citus a migration (and distribution) changes the workers too: one that cannot be
+        # reached stops it with words that name it (`WorkerUnreachable`), nothing changed.
+        target = context.get_revision_argument()
+        if target == "head":
+            target = context.script.get_current_head()
+        at = f"at revision {current}" if current else "never migrated"
+        with reaching_workers(f"migrate the database ({at}) to revision {target}"):
+            context.run_migrations()
+        # On Citus, distribute what is not distributed yet (app/ops/distribution.py); nothing
+        # on one node. In the same transaction, under the same lock.
+        with reaching_workers("distribute the schema on the Citus cluster"):
+            distribute(connection)
+        # A runtime role keeps the rights `steprecord grant` gave it (app/data/roles.py).
+        with reaching_workers("grant the runtime roles the functions the migration made"):
+            keep_grants(connection)
 
 
 def known_revisions() -> frozenset[str]:

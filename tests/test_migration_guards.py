@@ -11,8 +11,8 @@ import pytest
 from alembic import command
 from alembic.config import Config
 
+from app.data.migrating import MigrationRefused
 from app.main import alembic_config
-from migrations.guard import MigrationRefused
 from tests.support.citus import has_citus
 from tests.support.databases import revision_of
 

@@ -205,8 +205,8 @@ def test_the_downgrade_refuses_while_a_key_holds_what_the_older_format_refuses(
     from alembic import command
     from alembic.script import ScriptDirectory
 
+    from app.data.migrating import MigrationRefused
     from app.main import alembic_config
-    from migrations.guard import MigrationRefused
 
     if has_citus(scratch_database):
         pytest.skip("migrating down is for one server (as in tests/test_schema.py)")

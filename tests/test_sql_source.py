@@ -12,10 +12,10 @@ from alembic import command
 from alembic.script import ScriptDirectory
 
 from app.cli.migrate import migrate
+from app.data.migrating import statements
 from app.main import alembic_config
 from app.ops.distribution import custom_plan_statements
 from app.sql import COMMAND, frozen_as_of, render, revision_number, source
-from migrations.script import statements
 from tests.support.citus import has_citus
 
 ROOT = Path(__file__).resolve().parent.parent

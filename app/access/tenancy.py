@@ -12,8 +12,8 @@ state; the routes ask here.
 
 from starlette.types import Scope
 
-from app.core.domain import InstanceNotFound
-from app.core.problems import Problem
+from ..core.domain import InstanceNotFound
+from ..core.problems import Problem
 
 STATE_KEY = "key_prefix"
 

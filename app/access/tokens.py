@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 from starlette.types import Scope
 
-from app.access import sessions
-from app.core import domain
-from app.core.db import DatabaseUnavailable, Pool
-from app.core.problems import Problem
-from app.data import tokens
+from ..core import domain
+from ..core.db import DatabaseUnavailable, Pool
+from ..core.problems import Problem
+from ..data import tokens
+from . import sessions
 
 log = logging.getLogger("steprecord.access")
 # Each scope includes the ones before it: `write` reads, `admin` writes and repairs.

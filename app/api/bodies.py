@@ -21,8 +21,8 @@ from pydantic import (
     field_validator,
 )
 
-from app.core.domain import Event, Kind
-from app.core.limits import (
+from ..core.domain import Event, Kind
+from ..core.limits import (
     KEY_RE,
     LABEL_KEY_RE,
     MAX_INT4,
@@ -33,8 +33,8 @@ from app.core.limits import (
     NAME_PATTERN,
     URL_PATTERN,
 )
-from app.core.problems import KEY_RULE, NAME_RULE, Problem, validation_problem
-from app.core.serialize import dumps_value, parse_timestamp, timestamp
+from ..core.problems import KEY_RULE, NAME_RULE, Problem, validation_problem
+from ..core.serialize import dumps_value, parse_timestamp, timestamp
 
 KINDS: tuple[Kind, ...] = ("declare", "start", "complete", "fail", "heartbeat")
 MAX_LEASE_SECONDS = 86400

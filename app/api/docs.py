@@ -10,7 +10,7 @@ from fastapi.responses import HTMLResponse
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.core import static
+from ..core import static
 
 SWAGGER_JS = static.url("docs", "swagger-ui-bundle.js")
 SWAGGER_CSS = static.url("docs", "swagger-ui.css")

@@ -4,7 +4,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, create_model
 
-from app.core import record as record_shape
+from ..core import record as record_shape
 
 if TYPE_CHECKING:
     Record = BaseModel

@@ -3,6 +3,6 @@ every one-off command works on), `grant`, `prune`, `token`, `repair` and `openap
 holds the argument parser and runs the subcommand asked for (`main`, the console script).
 It sits above everything: it may import any package of `app`, and none imports it."""
 
-from app.cli.command import main
+from .command import main
 
 __all__ = ["main"]

@@ -2,7 +2,7 @@
 
 import sys
 
-from app.cli.command import main
+from .command import main
 
 if __name__ == "__main__":
     sys.exit(main())

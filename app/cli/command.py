@@ -8,18 +8,18 @@ from pathlib import Path
 
 from pydantic import AliasChoices, ValidationError
 
-from app import __version__
-from app.access.tokens import SCOPES
-from app.cli.grant import run_grant
-from app.cli.migrate import NotOwner, database, migrate
-from app.cli.openapi import openapi_json
-from app.cli.prune import batch_size, pause_ratio, prune
-from app.cli.repair import run_repair
-from app.cli.serve import serve
-from app.cli.token import key_prefix, run_token
-from app.core.config import Settings, redact
-from app.ops import pruning
-from app.ops.distribution import CoordinatorUnknown, WorkerUnreachable, schema_url
+from .. import __version__
+from ..access.tokens import SCOPES
+from ..core.config import Settings, redact
+from ..ops import pruning
+from ..ops.distribution import CoordinatorUnknown, WorkerUnreachable, schema_url
+from .grant import run_grant
+from .migrate import NotOwner, database, migrate
+from .openapi import openapi_json
+from .prune import batch_size, pause_ratio, prune
+from .repair import run_repair
+from .serve import serve
+from .token import key_prefix, run_token
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

@@ -6,8 +6,8 @@ import sys
 import psycopg
 from psycopg.rows import dict_row
 
-from app.cli.migrate import schema_refusal
-from app.data import roles
+from ..data import roles
+from .migrate import schema_refusal
 
 
 async def run_grant(args: argparse.Namespace, url: str) -> int:

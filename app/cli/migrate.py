@@ -10,12 +10,12 @@ import psycopg
 from alembic import command
 from sqlalchemy.exc import DBAPIError
 
-from app import main as wiring
-from app.core.config import Settings
-from app.core.db import AsyncConn
-from app.data import revision
-from app.main import alembic_config, known_revisions, schema_head
-from app.ops.embedded import EmbeddedPostgres
+from .. import main as wiring
+from ..core.config import Settings
+from ..core.db import AsyncConn
+from ..data import revision
+from ..main import alembic_config, known_revisions, schema_head
+from ..ops.embedded import EmbeddedPostgres
 
 
 def migrate(database_url: str) -> None:

@@ -2,7 +2,7 @@
 
 import json
 
-from app.main import create_app
+from ..main import create_app
 
 
 def openapi_json() -> str:

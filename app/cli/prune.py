@@ -11,11 +11,11 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from app.cli.migrate import database, schema_refusal
-from app.core.config import Settings, parse_duration
-from app.data import retention
-from app.ops import pruning
-from app.ops.distribution import CoordinatorUnknown, schema_url
+from ..core.config import Settings, parse_duration
+from ..data import retention
+from ..ops import pruning
+from ..ops.distribution import CoordinatorUnknown, schema_url
+from .migrate import database, schema_refusal
 
 
 def batch_size(text: str) -> int:

@@ -10,13 +10,13 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from app.api.bodies import parse_reopen
-from app.cli.migrate import schema_refusal
-from app.core import domain
-from app.core.problems import Problem, to_problem
-from app.core.serialize import dumps, record_json
-from app.core.shown import shown
-from app.data import repairs
+from ..api.bodies import parse_reopen
+from ..core import domain
+from ..core.problems import Problem, to_problem
+from ..core.serialize import dumps, record_json
+from ..core.shown import shown
+from ..data import repairs
+from .migrate import schema_refusal
 
 
 def writer_name() -> str:

@@ -15,11 +15,12 @@ import uvicorn
 from psycopg.rows import dict_row
 from uvicorn.supervisors import Multiprocess
 
-from app.cli.migrate import NotOwner, database, migrate
-from app.core.config import Settings, is_loopback, redact
-from app.data import tokens
-from app.ops.distribution import CoordinatorUnknown, WorkerUnreachable, schema_url
-from app.ops.server import ServerConfig
+from .. import main
+from ..core.config import Settings, is_loopback, redact
+from ..data import tokens
+from ..ops.distribution import CoordinatorUnknown, WorkerUnreachable, schema_url
+from ..ops.server import ServerConfig
+from .migrate import NotOwner, database, migrate
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -112,7 +113,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
             listened = True
             print(_banner(args, settings, url), file=sys.stderr, flush=True)
             config = ServerConfig(
-                "app.main:create_app",
+                f"{main.__name__}:create_app",  # `app` in a clone, `steprecord` installed
                 factory=True,
                 host=args.host,
                 port=args.port,

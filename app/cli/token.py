@@ -6,13 +6,13 @@ import sys
 import psycopg
 from psycopg.rows import dict_row
 
-from app.access.tokens import new_token
-from app.cli.migrate import schema_refusal
-from app.cli.serve import WILDCARDS, http_url
-from app.core import domain
-from app.core.config import Settings
-from app.core.limits import PREFIX_DELIMITED_RE, PREFIX_RE
-from app.data import tokens
+from ..access.tokens import new_token
+from ..core import domain
+from ..core.config import Settings
+from ..core.limits import PREFIX_DELIMITED_RE, PREFIX_RE
+from ..data import tokens
+from .migrate import schema_refusal
+from .serve import WILDCARDS, http_url
 
 
 async def run_token(args: argparse.Namespace, url: str) -> int:

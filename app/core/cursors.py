@@ -7,8 +7,8 @@ from typing import Any
 
 import orjson
 
-from app.core.domain import Order
-from app.core.problems import validation_problem
+from .domain import Order
+from .problems import validation_problem
 
 # What each kind of cursor pages through, as a person would ask for it.
 LISTINGS = {

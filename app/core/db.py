@@ -34,7 +34,7 @@ from psycopg.types.array import ListBinaryDumper
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.pool import NullPool
 
-from app.core import shares, tracing
+from . import shares, tracing
 
 AsyncConn = psycopg.AsyncConnection[dict[str, Any]]
 

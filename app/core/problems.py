@@ -14,8 +14,8 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.routing import Route, compile_path
 
-from app.core.db import DatabaseUnavailable, TokenBusy
-from app.core.domain import (
+from .db import DatabaseUnavailable, TokenBusy
+from .domain import (
     ConstraintViolation,
     Contention,
     InstanceNotFound,
@@ -23,8 +23,8 @@ from app.core.domain import (
     OutputTooLarge,
     StepNotFound,
 )
-from app.core.limits import MAX_OUTPUT_BYTES
-from app.core.serialize import dumps
+from .limits import MAX_OUTPUT_BYTES
+from .serialize import dumps
 
 PROBLEM_TYPE = "urn:steprecord:problem:"
 RETRY_AFTER_SECONDS = "1"

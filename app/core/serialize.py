@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from app.core import record as record_shape
+from . import record as record_shape
 
 # An escaped NUL (`\u0000`) preceded by an even number of backslashes, i.e. a real escape.
 _ESCAPED_NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")

@@ -36,7 +36,7 @@ from sqlalchemy.dialects.postgresql.base import ischema_names
 from sqlalchemy.types import UserDefinedType
 from sqlmodel import Field, SQLModel
 
-from app.core.limits import (
+from .limits import (
     KEY_PATTERN,
     LABEL_KEY_PATTERN,
     MAX_INT4,

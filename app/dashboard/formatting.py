@@ -8,9 +8,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from app.core.serialize import timestamp
-from app.dashboard.timeline import Scale, duration
-from app.data import dashboard
+from ..core.serialize import timestamp
+from ..data import dashboard
+from .timeline import Scale, duration
 
 
 def utc(value: datetime | None) -> str:

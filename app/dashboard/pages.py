@@ -18,15 +18,17 @@ from fastapi.responses import HTMLResponse, Response
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.access import tenancy
-from app.api.bodies import label_filter
-from app.core import cursors, domain, static
-from app.core.db import AsyncConn
-from app.core.limits import KEY_PREFIX_RE, KEY_RE, NAME_RE
-from app.core.problems import Problem
-from app.dashboard import signin
-from app.dashboard import timeline as timescale
-from app.dashboard.formatting import (
+from ..access import tenancy
+from ..api.bodies import label_filter
+from ..core import cursors, domain, static
+from ..core.db import AsyncConn
+from ..core.limits import KEY_PREFIX_RE, KEY_RE, NAME_RE
+from ..core.problems import Problem
+from ..data import dashboard, reads, repairs, running, stats
+from ..ops.replica import ReadPool
+from . import signin
+from . import timeline as timescale
+from .formatting import (
     iso,
     label,
     mark,
@@ -41,7 +43,7 @@ from app.dashboard.formatting import (
     unleased_for,
     utc,
 )
-from app.dashboard.rendering import (
+from .rendering import (
     ASSETS,
     GLYPHS,
     RENDERS_AT_ONCE,
@@ -49,9 +51,7 @@ from app.dashboard.rendering import (
     render,
     render_aside,
 )
-from app.dashboard.timeline import duration
-from app.data import dashboard, reads, repairs, running, stats
-from app.ops.replica import ReadPool
+from .timeline import duration
 
 PAGE_SIZE = 50
 MAX_STEPS = 1000  # the most steps an instance page shows; the API lists any number

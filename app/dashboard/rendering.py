@@ -13,10 +13,10 @@ from fastapi.responses import HTMLResponse
 from jinja2 import Environment, FileSystemLoader
 from starlette.concurrency import run_in_threadpool
 
-from app.access.sessions import cookie_name
-from app.core import static
-from app.core.shown import shown
-from app.dashboard.formatting import (
+from ..access.sessions import cookie_name
+from ..core import static
+from ..core.shown import shown
+from .formatting import (
     ago,
     error_reason,
     iso,

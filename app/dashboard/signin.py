@@ -11,9 +11,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from starlette.types import Scope
 
-from app.access import sessions
-from app.access.sessions import cookie_name
-from app.dashboard.rendering import CSS, JS, LOGIN, LOGOUT, render
+from ..access import sessions
+from ..access.sessions import cookie_name
+from .rendering import CSS, JS, LOGIN, LOGOUT, render
 
 router = APIRouter(include_in_schema=False)
 # The login form checks the token itself, so it needs none (nor write scope for its POST);

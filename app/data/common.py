@@ -5,9 +5,9 @@ from typing import Any
 
 import psycopg
 
-from app.core.domain import ConstraintViolation
-from app.core.record import columns
-from app.core.tables import metadata
+from ..core.domain import ConstraintViolation
+from ..core.record import columns
+from ..core.tables import metadata
 
 # The record's columns as the API shows them (the output as JSON text), from an alias `{r}`
 # (a format string: `RECORD.format(r="r")`).

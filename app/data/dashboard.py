@@ -3,10 +3,10 @@ the failed records of one step name, for Failing now (its other lists are the AP
 
 from typing import Any
 
-from app.core.db import AsyncConn
-from app.data.common import RECORD
-from app.data.reads import IN_PREFIX, WITH_LABELS, labels_params, prefix_params, prepared
-from app.data.stats import NAME_OF
+from ..core.db import AsyncConn
+from .common import RECORD
+from .reads import IN_PREFIX, WITH_LABELS, labels_params, prefix_params, prepared
+from .stats import NAME_OF
 
 # How a Python traceback starts.
 TRACEBACK = "Traceback (most recent call last):"

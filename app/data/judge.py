@@ -10,8 +10,8 @@ from typing import Any
 
 import psycopg
 
-from app.core.db import AsyncConn, DatabaseUnavailable, public_reason
-from app.core.domain import (
+from ..core.db import AsyncConn, DatabaseUnavailable, public_reason
+from ..core.domain import (
     ConstraintViolation,
     Contention,
     Event,
@@ -19,8 +19,8 @@ from app.core.domain import (
     OutputTooLarge,
     Result,
 )
-from app.data import placement
-from app.data.common import RECORD, constraint_name, violation, with_key
+from . import placement
+from .common import RECORD, constraint_name, violation, with_key
 
 # The judge is a function in the database (app/sql/apply_events.sql says how it judges):
 # PostgreSQL plans it once per connection, through any pooler, where the statement it runs

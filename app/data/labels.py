@@ -12,10 +12,10 @@ from typing import Any
 
 import psycopg
 
-from app.core.db import AsyncConn
-from app.core.domain import InstanceNotFound
-from app.data.common import violation
-from app.data.reads import get_instance
+from ..core.db import AsyncConn
+from ..core.domain import InstanceNotFound
+from .common import violation
+from .reads import get_instance
 
 # The merge is a function in the database (app/sql/labels.sql): one UPDATE of the row.
 PATCH_LABELS = (

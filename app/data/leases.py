@@ -1,6 +1,6 @@
 """Leases: the sweeper's statements, which fail the running attempts whose lease expired."""
 
-from app.core.db import AsyncConn
+from ..core.db import AsyncConn
 
 # The instances that hold a running attempt whose lease expired (at most `limit` of them).
 DUE_INSTANCES = """

@@ -17,7 +17,7 @@ server) is left as it is.
 
 from weakref import WeakKeyDictionary
 
-from app.core.db import AsyncConn
+from ..core.db import AsyncConn
 
 HAS_CITUS = "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus') AS citus"
 # Whether the database has Citus, and whether no one set how many connections a statement

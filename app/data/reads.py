@@ -10,10 +10,10 @@ from typing import Any, Literal
 import psycopg
 from psycopg.rows import tuple_row
 
-from app.core.db import AsyncConn
-from app.core.domain import InstanceNotFound, Order, Page, StepNotFound
-from app.core.serialize import MAX_PAGE_BYTES, RECORD_KEYS
-from app.data.common import RECORD, with_key
+from ..core.db import AsyncConn
+from ..core.domain import InstanceNotFound, Order, Page, StepNotFound
+from ..core.serialize import MAX_PAGE_BYTES, RECORD_KEYS
+from .common import RECORD, with_key
 
 # The instance of a key, by its id (derived from the key): on Citus the id names the shard, so
 # a read of one instance goes to that shard alone (a filter on the key alone would ask every

@@ -11,10 +11,10 @@ from typing import Any
 
 import psycopg
 
-from app.core.db import AsyncConn
-from app.core.domain import InstanceNotFound, Page, StepNotFound
-from app.data.common import violation, with_key
-from app.data.reads import THE_INSTANCE
+from ..core.db import AsyncConn
+from ..core.domain import InstanceNotFound, Page, StepNotFound
+from .common import violation, with_key
+from .reads import THE_INSTANCE
 
 # Its first argument is the instance's id, derived from the key in the statement itself
 # (app/sql/instance_id.sql): on Citus the coordinator sends the call to the worker holding it.

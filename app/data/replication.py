@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from app.core.db import AsyncConn
+from ..core.db import AsyncConn
 
 
 async def wal_position(conn: AsyncConn) -> int:

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from app.core.db import AsyncConn
-from app.core.domain import InstanceNotFound
-from app.data.common import RECORD
-from app.data.reads import ATTEMPT
+from ..core.db import AsyncConn
+from ..core.domain import InstanceNotFound
+from .common import RECORD
+from .reads import ATTEMPT
 
 # Lock, then judge, then delete: `steprecord_delete_instance` (app/sql/deletion.sql). The
 # notification is a statement of its own, after it in the same transaction: it runs on the

@@ -2,7 +2,7 @@
 
 import psycopg
 
-from app.core.db import AsyncConn
+from ..core.db import AsyncConn
 
 
 async def schema_revision(conn: AsyncConn) -> str | None:

@@ -14,7 +14,7 @@ granting each role `steprecord grant` made the functions it may not call (`keep_
 from psycopg import sql
 from sqlalchemy import Connection
 
-from app.core.db import AsyncConn
+from ..core.db import AsyncConn
 
 # Every table the service reads.
 READ = (

@@ -8,10 +8,10 @@ across instances.
 from collections.abc import Sequence
 from typing import Any
 
-from app.core.db import AsyncConn
-from app.core.domain import Page
-from app.data.common import RECORD
-from app.data.reads import IN_PREFIX, WITH_LABELS, labels_params, prefix_params, prepared
+from ..core.db import AsyncConn
+from ..core.domain import Page
+from .common import RECORD
+from .reads import IN_PREFIX, WITH_LABELS, labels_params, prefix_params, prepared
 
 # Started more than `older_than` seconds ago by the database's clock, after the keyset position.
 _RUNNING = (

@@ -9,8 +9,8 @@ record's primary key: the cost grows with the attempts in the window, not with t
 from datetime import datetime
 from typing import Any
 
-from app.core.db import AsyncConn
-from app.data.reads import IN_PREFIX, WITH_LABELS, labels_params, prefix_params, prepared
+from ..core.db import AsyncConn
+from .reads import IN_PREFIX, WITH_LABELS, labels_params, prefix_params, prepared
 
 # A slug names one run of a step in two shapes, whose statistics are the step name's:
 # - a Celery task's slug (steprecord_client.celery), "<task name>:<task id, a UUID>";

@@ -6,11 +6,11 @@ from typing import Any
 
 import psycopg
 
-from app.core.db import AsyncConn
-from app.core.domain import InstanceNotFound, InstanceNotReplayed
-from app.data import placement
-from app.data.common import RECORD, with_key
-from app.data.replication import replay_position
+from ..core.db import AsyncConn
+from ..core.domain import InstanceNotFound, InstanceNotReplayed
+from . import placement
+from .common import RECORD, with_key
+from .replication import replay_position
 
 # The channel the record's triggers notify on commit, with the instance's id as payload.
 CHANNEL = "steprecord_changes"

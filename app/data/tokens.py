@@ -5,9 +5,9 @@ from typing import Any
 
 import psycopg
 
-from app.core.db import AsyncConn
-from app.core.domain import SchemaMissing
-from app.data.common import violation
+from ..core.db import AsyncConn
+from ..core.domain import SchemaMissing
+from .common import violation
 
 # `ended_anonymous`: this token is the one that ends anonymous access (the statement's
 # snapshot reads the policy as it was before the token's trigger closes it).

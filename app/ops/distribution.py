@@ -57,8 +57,8 @@ from psycopg.conninfo import make_conninfo
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
-from app.core.db import remote_node_failed
-from app.data import placement
+from ..core.db import remote_node_failed
+from ..data import placement
 
 # Citus's distributed tables with their distribution column, in the order they are
 # distributed (a co-located table after the one it follows).

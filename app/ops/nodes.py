@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import psycopg
 
-from app.core.db import NODE_UNREACHABLE, DatabaseUnavailable, Pool
-from app.data import placement
+from ..core.db import NODE_UNREACHABLE, DatabaseUnavailable, Pool
+from ..data import placement
 
 log = logging.getLogger("steprecord.nodes")
 

@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.core.problems import problem_response
+from ..core.problems import problem_response
 
 REQUEST_SECONDS = Histogram(
     "steprecord_http_request_duration_seconds",

@@ -21,10 +21,10 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from app.core.db import AsyncConn, Pool
-from app.core.serialize import attempt_json, dumps, record_json
-from app.data import retention
-from app.ops import observe
+from ..core.db import AsyncConn, Pool
+from ..core.serialize import attempt_json, dumps, record_json
+from ..data import retention
+from . import observe
 
 log = logging.getLogger("steprecord.pruning")
 BATCH = 200

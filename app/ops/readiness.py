@@ -12,9 +12,9 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from app.core.db import DatabaseUnavailable, Pool
-from app.data import revision
-from app.ops import observe
+from ..core.db import DatabaseUnavailable, Pool
+from ..data import revision
+from . import observe
 
 MAX_AGE = 1.0
 

@@ -39,9 +39,9 @@ from typing import TypeVar
 import psycopg
 from psycopg.rows import dict_row
 
-from app.core.db import AsyncConn, DatabaseUnavailable, Pool, PoolExhausted
-from app.data import replication
-from app.ops import observe
+from ..core.db import AsyncConn, DatabaseUnavailable, Pool, PoolExhausted
+from ..data import replication
+from . import observe
 
 T = TypeVar("T")
 log = logging.getLogger("steprecord.replica")

@@ -37,8 +37,8 @@ import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from app.core.problems import Problem
-from app.core.serialize import dumps
+from ..core.problems import Problem
+from ..core.serialize import dumps
 
 HEADER_TIMEOUT_SECONDS = 10.0
 BODY_TIMEOUT_SECONDS = 30.0

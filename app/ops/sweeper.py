@@ -8,9 +8,9 @@ bug) is logged and the next round tries again: the sweeper never stops by itself
 import asyncio
 import logging
 
-from app.core.db import Pool
-from app.data import leases
-from app.ops import observe
+from ..core.db import Pool
+from ..data import leases
+from . import observe
 
 log = logging.getLogger("steprecord.sweeper")
 

@@ -24,8 +24,10 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import MIGRATIONS
+
 SOURCE = Path(__file__).resolve().parent
-VERSIONS = SOURCE.parent.parent / "migrations" / "versions"
+VERSIONS = MIGRATIONS / "versions"
 COMMAND = "python -m app.sql freeze"
 
 _SECTION = re.compile(r"^-- ===== app/sql/([\w.-]+\.sql) =====\n", re.MULTILINE)

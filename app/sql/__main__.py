@@ -6,7 +6,7 @@ written by hand and reads the two files beside it; see docs/database.md.
 
 import argparse
 
-from app.sql import freeze
+from . import freeze
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ Why each statement is here:
 
 Downgrade drops everything in reverse order; nothing else depends on these objects. It
 refuses, unless forced, while any instance exists, saying how many instances and records
-would be deleted (`migrations/guard.py`).
+would be deleted (`app/data/migrating.py`).
 
 Revision ID: 0001
 Revises:
@@ -32,8 +32,6 @@ Create Date: 2026-12-02
 """
 
 from alembic import op
-
-from migrations.guard import found, refuse_losing
 
 revision = "0001"
 down_revision = None
@@ -170,7 +168,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    refuse_losing("0001", found(LOST))
+    op.refuse_losing("0001", op.found(LOST))
     op.execute("DROP TRIGGER tr_workflow_step_record_transition ON workflow_step_record")
     op.execute("DROP FUNCTION workflow_step_record_guard_transition()")
     op.execute("DROP TABLE workflow_step_record")

@@ -11,7 +11,7 @@ Why each statement is here:
 
 Downgrade drops the table, which ends token checks: the service then accepts anonymous
 requests only on a loopback address, as before the table existed. It refuses, unless
-forced, while any token exists, naming them (`migrations/guard.py`).
+forced, while any token exists, naming them (`app/data/migrating.py`).
 
 Revision ID: 0002
 Revises: 0001
@@ -19,8 +19,6 @@ Create Date: 2026-12-02
 """
 
 from alembic import op
-
-from migrations.guard import found, refuse_losing
 
 revision = "0002"
 down_revision = "0001"
@@ -55,5 +53,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    refuse_losing("0002", found(LOST))
+    op.refuse_losing("0002", op.found(LOST))
     op.execute("DROP TABLE api_token")

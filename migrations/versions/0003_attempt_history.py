@@ -40,7 +40,7 @@ Why each statement is here:
 
 Downgrade drops all of it in reverse order; the leases and the history are lost with it.
 It refuses, unless forced, while any attempt is recorded, saying how many would be lost
-(`migrations/guard.py`).
+(`app/data/migrating.py`).
 
 Revision ID: 0003
 Revises: 0002
@@ -48,8 +48,6 @@ Create Date: 2026-12-03
 """
 
 from alembic import op
-
-from migrations.guard import found, refuse_losing
 
 revision = "0003"
 down_revision = "0002"
@@ -252,7 +250,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    refuse_losing("0003", found(LOST))
+    op.refuse_losing("0003", op.found(LOST))
     op.execute("DROP TRIGGER tr_workflow_step_record_history_update ON workflow_step_record")
     op.execute("DROP TRIGGER tr_workflow_step_record_history_insert ON workflow_step_record")
     op.execute("DROP FUNCTION workflow_step_record_history_update()")

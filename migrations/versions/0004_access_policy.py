@@ -17,7 +17,7 @@ Why each statement is here:
 Downgrade drops the trigger, its function and the table, in that order: the service then
 treats "no token" as anonymous on loopback again, as before this revision. It refuses,
 unless forced, while `tokens_required` is true: that would reopen anonymous access at once
-(no token left) or when the last token is revoked (`migrations/guard.py`).
+(no token left) or when the last token is revoked (`app/data/migrating.py`).
 
 Revision ID: 0004
 Revises: 0003
@@ -25,8 +25,6 @@ Create Date: 2026-12-03
 """
 
 from alembic import op
-
-from migrations.guard import found, refuse_losing
 
 revision = "0004"
 down_revision = "0003"
@@ -77,7 +75,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    refuse_losing("0004", found(LOST))
+    op.refuse_losing("0004", op.found(LOST))
     op.execute("DROP TRIGGER tr_api_token_requires_tokens ON api_token")
     op.execute("DROP FUNCTION api_token_require_tokens()")
     op.execute("DROP TABLE access_policy")

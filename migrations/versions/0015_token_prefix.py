@@ -15,7 +15,7 @@ Why each statement is here:
 The prefix lists read the index `ix_process_instance_instance_key_prefix` (revision 0006);
 no index is added. Downgrade drops the column: prefixed tokens would then reach everything,
 so the downgrade refuses, unless forced, while any exists, naming them: revoke them
-(`steprecord token revoke NAME`) first (`migrations/guard.py`).
+(`steprecord token revoke NAME`) first (`app/data/migrating.py`).
 
 Revision ID: 0015
 Revises: 0014
@@ -23,8 +23,6 @@ Create Date: 2026-12-04
 """
 
 from alembic import op
-
-from migrations.guard import found, refuse_losing
 
 revision = "0015"
 down_revision = "0014"
@@ -48,5 +46,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    refuse_losing("0015", found(LOST))
+    op.refuse_losing("0015", op.found(LOST))
     op.execute("ALTER TABLE api_token DROP COLUMN key_prefix")

@@ -27,7 +27,7 @@ Why each statement is here:
 
 Downgrade restores revision 0014's functions (frozen in `0016_attempt_trace_id.down.sql`)
 and drops the column with its CHECK: the trace ids kept meanwhile are lost, so it refuses,
-unless forced, while any attempt has one, saying how many (`migrations/guard.py`).
+unless forced, while any attempt has one, saying how many (`app/data/migrating.py`).
 
 Revision ID: 0016
 Revises: 0015
@@ -37,8 +37,6 @@ Create Date: 2026-12-05
 from pathlib import Path
 
 from alembic import op
-
-from migrations.guard import found, refuse_losing
 
 revision = "0016"
 down_revision = "0015"
@@ -61,5 +59,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    refuse_losing("0016", found(LOST))
+    op.refuse_losing("0016", op.found(LOST))
     op.execute(DOWN.read_text())

@@ -29,8 +29,6 @@ Create Date: 2026-12-05
 
 from alembic import op
 
-from migrations.guard import MigrationRefused, found
-
 revision = "0019"
 down_revision = "0018"
 branch_labels = None
@@ -43,9 +41,9 @@ FROM api_token WHERE key_prefix !~ '[.:-]$'
 
 
 def upgrade() -> None:
-    tokens = found(UNDELIMITED)
+    tokens = op.found(UNDELIMITED)
     if tokens is not None:
-        raise MigrationRefused(
+        op.refuse(
             f"migration 0019 refused: the tokens {tokens} have a prefix that does not end with"
             " ':', '-' or '.', so they also reach keys that merely start the same way"
             " (prefix 'acme' reaches 'acmeevil-1'). Nothing was changed. Re-scope each token"

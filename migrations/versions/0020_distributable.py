@@ -45,9 +45,6 @@ from pathlib import Path
 
 from alembic import op
 
-from migrations import script
-from migrations.guard import MigrationRefused
-
 revision = "0020"
 down_revision = "0019"
 branch_labels = None
@@ -118,18 +115,18 @@ ALTER TABLE workflow_step_attempt
 
 
 def upgrade() -> None:
-    script.run(UP.read_text())
-    script.run(REKEY)
+    op.run_script(UP.read_text())
+    op.run_script(REKEY)
 
 
 def downgrade() -> None:
     if op.get_bind().exec_driver_sql(CITUS).first() is not None:
-        raise MigrationRefused(
+        op.refuse(
             "downgrade of 0020 refused: the database is distributed on Citus, which keeps no"
             " primary or unique key without instance_id, and the revisions before 0020 need such"
             " keys: they cannot run on Citus. Nothing was changed"
         )
-    script.run(UNKEY)
+    op.run_script(UNKEY)
     start = (
         op.get_bind()
         .exec_driver_sql("SELECT GREATEST(max(id), 0) + 1 FROM process_instance")
@@ -139,4 +136,4 @@ def downgrade() -> None:
         "ALTER TABLE process_instance ALTER COLUMN id"
         f" ADD GENERATED ALWAYS AS IDENTITY (START WITH {int(start)})"
     )
-    script.run(DOWN.read_text())
+    op.run_script(DOWN.read_text())

@@ -33,7 +33,7 @@ Create Date: 2026-12-06
 
 from pathlib import Path
 
-from migrations import script
+from alembic import op
 
 revision = "0023"
 down_revision = "0022"
@@ -47,8 +47,8 @@ DOWN = Path(__file__).with_suffix(".down.sql")
 
 
 def upgrade() -> None:
-    script.run(UP.read_text())
+    op.run_script(UP.read_text())
 
 
 def downgrade() -> None:
-    script.run(DOWN.read_text())
+    op.run_script(DOWN.read_text())

@@ -22,7 +22,7 @@ Downgrade: the repair log goes (with its guard's trigger), then the frozen downg
 the new functions and restores the record's guard; admin tokens are removed first, since the
 narrower CHECK would refuse them. The log is the only account of who reopened what and why,
 so it refuses, unless forced, while any repair is logged, saying how many of how many
-instances (`migrations/guard.py`).
+instances (`app/data/migrating.py`).
 
 Revision ID: 0024
 Revises: 0023
@@ -31,8 +31,7 @@ Create Date: 2026-12-06
 
 from pathlib import Path
 
-from migrations import script
-from migrations.guard import found, refuse_losing
+from alembic import op
 
 revision = "0024"
 down_revision = "0023"
@@ -84,8 +83,8 @@ ALTER TABLE api_token ADD CONSTRAINT ck_api_token_scope_known
 
 
 def upgrade() -> None:
-    script.run(CREATE)
-    script.run(UP.read_text())
+    op.run_script(CREATE)
+    op.run_script(UP.read_text())
 
 
 # On Citus one statement over every shard.
@@ -99,6 +98,6 @@ WHERE n > 0
 
 
 def downgrade() -> None:
-    refuse_losing("0024", found(LOST))
-    script.run(DROP)
-    script.run(DOWN.read_text())
+    op.refuse_losing("0024", op.found(LOST))
+    op.run_script(DROP)
+    op.run_script(DOWN.read_text())

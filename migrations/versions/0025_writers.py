@@ -31,7 +31,7 @@ Why each statement is here:
 
 Downgrade restores the functions as revision 0024 left them (`0025_writers.down.sql`) and
 drops the columns with their CHECKs: the writers kept meanwhile are lost, so it refuses,
-unless forced, while any row names one, saying how many (`migrations/guard.py`).
+unless forced, while any row names one, saying how many (`app/data/migrating.py`).
 
 Revision ID: 0025
 Revises: 0024
@@ -40,8 +40,7 @@ Create Date: 2026-12-06
 
 from pathlib import Path
 
-from migrations import script
-from migrations.guard import found, refuse_losing
+from alembic import op
 
 revision = "0025"
 down_revision = "0024"
@@ -82,11 +81,11 @@ DOWN = Path(__file__).with_suffix(".down.sql")
 
 
 def upgrade() -> None:
-    script.run(COLUMNS)
-    script.run(UP.read_text())
+    op.run_script(COLUMNS)
+    op.run_script(UP.read_text())
 
 
 def downgrade() -> None:
-    refuse_losing("0025", found(LOST))
-    script.run(DOWN.read_text())
-    script.run(DROP_COLUMNS)
+    op.refuse_losing("0025", op.found(LOST))
+    op.run_script(DOWN.read_text())
+    op.run_script(DROP_COLUMNS)

@@ -27,7 +27,7 @@ Create Date: 2026-12-07
 
 from pathlib import Path
 
-from migrations import script
+from alembic import op
 
 revision = "0029"
 down_revision = "0028"
@@ -41,8 +41,8 @@ DOWN = Path(__file__).with_suffix(".down.sql")
 
 
 def upgrade() -> None:
-    script.run(UP.read_text())
+    op.run_script(UP.read_text())
 
 
 def downgrade() -> None:
-    script.run(DOWN.read_text())
+    op.run_script(DOWN.read_text())

@@ -29,8 +29,6 @@ Create Date: 2026-12-08
 
 from alembic import op
 
-from migrations.guard import MigrationRefused, found
-
 revision = "0031"
 down_revision = "0030"
 branch_labels = None
@@ -42,9 +40,9 @@ TAKEN = f"SELECT string_agg(name, ', ' ORDER BY name) FROM api_token WHERE {RESE
 
 
 def upgrade() -> None:
-    tokens = found(TAKEN)
+    tokens = op.found(TAKEN)
     if tokens is not None:
-        raise MigrationRefused(
+        op.refuse(
             f"migration 0031 refused: the tokens {tokens} are named as the service names"
             " itself in the records it writes (anonymous, sweeper, cli, cli:USER), so what they"
             " wrote could not be told from the service's own writes. Nothing was changed."

@@ -21,7 +21,7 @@ Create Date: 2026-12-07
 
 from pathlib import Path
 
-from migrations import script
+from alembic import op
 
 revision = "0032"
 down_revision = "0031"
@@ -35,8 +35,8 @@ DOWN = Path(__file__).with_suffix(".down.sql")
 
 
 def upgrade() -> None:
-    script.run(UP.read_text())
+    op.run_script(UP.read_text())
 
 
 def downgrade() -> None:
-    script.run(DOWN.read_text())
+    op.run_script(DOWN.read_text())

@@ -24,8 +24,6 @@ Create Date: 2026-12-07
 
 from alembic import op
 
-from migrations.guard import MigrationRefused, found
-
 revision = "0033"
 down_revision = "0032"
 branch_labels = None
@@ -58,9 +56,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    keys = found(WIDER_KEYS)
+    keys = op.found(WIDER_KEYS)
     if keys is not None:
-        raise MigrationRefused(
+        op.refuse(
             f"downgrade of 0033 refused: {keys}, which the key format before 0033 refuses."
             " Nothing was changed. Delete those instances first (DELETE"
             " /v1/instances/{instance_key}, or `steprecord prune`), then migrate down again."

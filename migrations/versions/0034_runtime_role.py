@@ -33,7 +33,7 @@ Create Date: 2026-12-07
 
 from pathlib import Path
 
-from migrations import script
+from alembic import op
 
 revision = "0034"
 down_revision = "0033"
@@ -55,9 +55,9 @@ GIVEN_BACK = (
 
 
 def upgrade() -> None:
-    script.run(UP.read_text())
+    op.run_script(UP.read_text())
 
 
 def downgrade() -> None:
-    script.run(DOWN.read_text())
-    script.run("".join(f"GRANT EXECUTE ON FUNCTION {name} TO PUBLIC;\n" for name in GIVEN_BACK))
+    op.run_script(DOWN.read_text())
+    op.run_script("".join(f"GRANT EXECUTE ON FUNCTION {name} TO PUBLIC;\n" for name in GIVEN_BACK))

@@ -41,7 +41,7 @@ Why each statement is here:
 
 Downgrade restores the functions as the revision before left them (`.down.sql`) and drops
 the index, the CHECKs and the column: the labels kept meanwhile are lost, so it refuses,
-unless forced, while any instance has a label, saying how many (`migrations/guard.py`).
+unless forced, while any instance has a label, saying how many (`app/data/migrating.py`).
 
 The judge's two functions take a new argument, so they are dropped and created; a runtime
 role (`steprecord grant`) is granted them again by the migrate that runs this revision
@@ -54,8 +54,7 @@ Create Date: 2026-12-07
 
 from pathlib import Path
 
-from migrations import script
-from migrations.guard import found, refuse_losing
+from alembic import op
 
 revision = "0035"
 down_revision = "0034"
@@ -106,13 +105,13 @@ DOWN = Path(__file__).with_suffix(".down.sql")
 
 
 def upgrade() -> None:
-    script.run(COLUMN)
-    if found(CITUS) is None or found(DISTRIBUTED) is None:
-        script.run(STATISTICS)
-    script.run(UP.read_text())
+    op.run_script(COLUMN)
+    if op.found(CITUS) is None or op.found(DISTRIBUTED) is None:
+        op.run_script(STATISTICS)
+    op.run_script(UP.read_text())
 
 
 def downgrade() -> None:
-    refuse_losing("0035", found(LOST))
-    script.run(DOWN.read_text())
-    script.run(DROP_COLUMN)
+    op.refuse_losing("0035", op.found(LOST))
+    op.run_script(DOWN.read_text())
+    op.run_script(DROP_COLUMN)

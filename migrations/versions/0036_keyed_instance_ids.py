@@ -45,8 +45,6 @@ from pathlib import Path
 
 from alembic import op
 
-from migrations import script
-
 revision = "0036"
 down_revision = "0035"
 branch_labels = None
@@ -145,7 +143,7 @@ def rekey() -> None:
     unique = bind.exec_driver_sql(UNIQUE_KEY).first() is not None
     if unique:
         op.execute("ALTER TABLE process_instance DROP CONSTRAINT uq_process_instance_instance_key")
-    script.run(REKEY)
+    op.run_script(REKEY)
     if unique:
         op.execute(
             "ALTER TABLE process_instance"
@@ -154,12 +152,12 @@ def rekey() -> None:
 
 
 def upgrade() -> None:
-    script.run(key())
-    script.run(UP.read_text())
+    op.run_script(key())
+    op.run_script(UP.read_text())
     rekey()
 
 
 def downgrade() -> None:
-    script.run(DOWN.read_text())
+    op.run_script(DOWN.read_text())
     rekey()
     op.execute("DROP FUNCTION steprecord_instance_id_key()")

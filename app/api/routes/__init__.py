@@ -5,7 +5,7 @@
 
 from starlette.routing import BaseRoute
 
-from app.api.routes import events, health, instances, reads, repairs, stats
+from . import events, health, instances, reads, repairs, stats
 
 ROUTES: list[BaseRoute] = [
     *events.router.routes,

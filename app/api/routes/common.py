@@ -9,10 +9,10 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import AwareDatetime, BeforeValidator, StringConstraints
 
-from app.core.db import AsyncConn, Pool
-from app.core.limits import KEY_PATTERN, MAX_OUTPUT_BYTES, NAME_PATTERN
-from app.core.problems import Problem, validation_problem
-from app.core.serialize import (
+from ...core.db import AsyncConn, Pool
+from ...core.limits import KEY_PATTERN, MAX_OUTPUT_BYTES, NAME_PATTERN
+from ...core.problems import Problem, validation_problem
+from ...core.serialize import (
     MAX_DEPTH,
     MAX_PAGE_BYTES,
     BadJSON,
@@ -21,9 +21,9 @@ from app.core.serialize import (
     loads,
     parse_timestamp,
 )
-from app.core.tables import STATUSES
-from app.ops.nodes import Nodes
-from app.ops.replica import ReadPool
+from ...core.tables import STATUSES
+from ...ops.nodes import Nodes
+from ...ops.replica import ReadPool
 
 MAX_BODY_BYTES = 2 * 1024 * 1024
 MAX_BATCH_BYTES = 16 * 1024 * 1024

@@ -6,10 +6,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from app.access import tenancy, tokens
-from app.api import spec
-from app.api.bodies import BODIES, KINDS, parse_batch_event, parse_envelope, parse_event
-from app.api.routes.common import (
+from ...access import tenancy, tokens
+from ...core import tracing
+from ...core.db import DatabaseUnavailable, Pool, TokenBusy
+from ...core.domain import ConstraintViolation, Event, InvalidData, Kind, Result
+from ...core.problems import Problem, to_problem
+from ...data import judge
+from ...ops import observe
+from .. import spec
+from ..bodies import BODIES, KINDS, parse_batch_event, parse_envelope, parse_event
+from .common import (
     MAX_BATCH_BYTES,
     MAX_BATCH_DEPTH,
     MAX_BODY_BYTES,
@@ -20,13 +26,7 @@ from app.api.routes.common import (
     pools_for,
     read_json,
 )
-from app.api.routes.refusals import judged
-from app.core import tracing
-from app.core.db import DatabaseUnavailable, Pool, TokenBusy
-from app.core.domain import ConstraintViolation, Event, InvalidData, Kind, Result
-from app.core.problems import Problem, to_problem
-from app.data import judge
-from app.ops import observe
+from .refusals import judged
 
 router = APIRouter(route_class=KnownQuery)
 

@@ -3,13 +3,13 @@
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from app.access import tenancy
-from app.api import spec
-from app.api.routes.common import KnownQuery, json_response, primary_pool
-from app.core.db import DatabaseUnavailable
-from app.core.problems import Problem
-from app.data import running
-from app.ops import observe
+from ...access import tenancy
+from ...core.db import DatabaseUnavailable
+from ...core.problems import Problem
+from ...data import running
+from ...ops import observe
+from .. import spec
+from .common import KnownQuery, json_response, primary_pool
 
 router = APIRouter(route_class=KnownQuery)
 

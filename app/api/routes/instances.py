@@ -7,10 +7,14 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from app.access import tenancy, tokens
-from app.api import spec
-from app.api.bodies import InstancePatch, label_filter, parse_instance_patch
-from app.api.routes.common import (
+from ...access import tenancy, tokens
+from ...core import cursors
+from ...core.problems import Problem
+from ...data import labels as label_data
+from ...data import reads, retention
+from .. import spec
+from ..bodies import InstancePatch, label_filter, parse_instance_patch
+from .common import (
     MAX_BODY_BYTES,
     InstanceKey,
     KnownQuery,
@@ -24,10 +28,6 @@ from app.api.routes.common import (
     read_json,
     read_pool,
 )
-from app.core import cursors
-from app.core.problems import Problem
-from app.data import labels as label_data
-from app.data import reads, retention
 
 router = APIRouter(route_class=KnownQuery)
 

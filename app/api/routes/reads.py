@@ -7,11 +7,18 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response
 
-from app import live
-from app.access import tenancy, tokens
-from app.api import spec
-from app.api.bodies import label_filter
-from app.api.routes.common import (
+from ... import live
+from ...access import tenancy, tokens
+from ...core import cursors
+from ...core.domain import Page
+from ...core.problems import Problem, validation_problem
+from ...core.serialize import attempt_json, dumps_page, record_json, shown
+from ...core.tables import STATUSES
+from ...data import reads as data
+from ...data import running
+from .. import spec
+from ..bodies import label_filter
+from .common import (
     Fields,
     InstanceKey,
     KnownQuery,
@@ -25,13 +32,6 @@ from app.api.routes.common import (
     read_pool,
     statuses,
 )
-from app.core import cursors
-from app.core.domain import Page
-from app.core.problems import Problem, validation_problem
-from app.core.serialize import attempt_json, dumps_page, record_json, shown
-from app.core.tables import STATUSES
-from app.data import reads as data
-from app.data import running
 
 router = APIRouter(route_class=KnownQuery)
 

@@ -3,9 +3,9 @@
 import json
 from typing import Any
 
-from app.core.domain import Event, Result
-from app.core.problems import Problem
-from app.core.serialize import record_json
+from ...core.domain import Event, Result
+from ...core.problems import Problem
+from ...core.serialize import record_json
 
 REFUSALS = {
     "conflict": (409, "the event conflicts with what is recorded for this attempt"),

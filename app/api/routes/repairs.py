@@ -6,10 +6,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from app.access import tenancy, tokens
-from app.api import spec
-from app.api.bodies import ReopenBody, parse_reopen
-from app.api.routes.common import (
+from ...access import tenancy, tokens
+from ...core import cursors
+from ...core.problems import Problem
+from ...core.serialize import record_json
+from ...data import repairs as data
+from ...ops import observe
+from .. import spec
+from ..bodies import ReopenBody, parse_reopen
+from .common import (
     MAX_BODY_BYTES,
     InstanceKey,
     KnownQuery,
@@ -20,11 +25,6 @@ from app.api.routes.common import (
     read_instance,
     read_json,
 )
-from app.core import cursors
-from app.core.problems import Problem
-from app.core.serialize import record_json
-from app.data import repairs as data
-from app.ops import observe
 
 router = APIRouter(route_class=KnownQuery)
 

@@ -6,10 +6,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from app.access import tenancy
-from app.api import spec
-from app.api.bodies import label_filter
-from app.api.routes.common import (
+from ...access import tenancy
+from ...core.problems import validation_problem
+from ...core.serialize import timestamp
+from ...data import stats as data
+from .. import spec
+from ..bodies import label_filter
+from .common import (
     KeyPrefix,
     KnownQuery,
     LabelFilter,
@@ -18,9 +21,6 @@ from app.api.routes.common import (
     json_response,
     read_pool,
 )
-from app.core.problems import validation_problem
-from app.core.serialize import timestamp
-from app.data import stats as data
 
 router = APIRouter(route_class=KnownQuery)
 DEFAULT_WINDOW = timedelta(hours=24)
