@@ -144,6 +144,11 @@ def server_url(database_url: str) -> Iterator[str]:
         # A quick sweeper, so lease tests wait about a second, not five; frequent keepalives,
         # so stream readers notice soon that they may stop.
         env = {"STEPRECORD_SWEEP_SECONDS": "0.2", "STEPRECORD_STREAM_HEARTBEAT_SECONDS": "0.3"}
+        if os.environ.get("STEPRECORD_TEST_CITUS") == "1":
+            # A batch of 1,000 events is 1,000 calls on a cluster: about 2 s on a quiet machine,
+            # past the default 5 s statement timeout beside CI's other runs. No test of the
+            # shared server is about that timeout (those start servers of their own).
+            env["STEPRECORD_STATEMENT_TIMEOUT"] = "20"
         if os.environ.get("STEPRECORD_TEST_PGBOUNCER") == "1":
             url, extra = stack.enter_context(pgbouncer(database_url)), ("--workers", "2")
             env |= BEHIND_PGBOUNCER
