@@ -259,7 +259,10 @@ def page(browser: Browser, server_url: str) -> Iterator[Page]:
 
 # On the Citus run (STEPRECORD_TEST_CITUS=1), the tests that reach a database through one of
 # these fixtures, and the cluster's own tests; the others (pure functions, a server of their
-# own on one node) run the same in the one-node run, so the cluster's run leaves them out.
+# own on one node) run the same in the one-node run, so the cluster's run leaves them out, and
+# so it does the modules marked `same_on_any_database` (what they test happens in the service
+# or the client, before or after the database, the same on one node and on Citus; each says
+# why).
 CLUSTER_FIXTURES = {"server_dsn", "citus", "own_citus"}
 
 
@@ -269,8 +272,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     kept: list[pytest.Item] = []
     left: list[pytest.Item] = []
     for item in items:
-        on_cluster = item.path.name.startswith("test_citus") or not CLUSTER_FIXTURES.isdisjoint(
-            getattr(item, "fixturenames", ())
+        on_cluster = item.path.name.startswith("test_citus") or (
+            not CLUSTER_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+            and item.get_closest_marker("same_on_any_database") is None
         )
         (kept if on_cluster else left).append(item)
     if left:

@@ -35,6 +35,9 @@ from tests.support.brokers import require_celery_services
 from tests.support.servers import start_server, stop
 from tests.support.waits import wait_for
 
+# The Celery integration's own behaviour against the live service: the same on any database.
+pytestmark = pytest.mark.same_on_any_database
+
 BROKER = "amqp://guest:guest@127.0.0.1:5672//"
 BACKEND = "redis://127.0.0.1:6379/7"
 ROOT = Path(__file__).resolve().parent.parent

@@ -33,6 +33,9 @@ from steprecord_client import (
 
 from tests.support.waits import eventually
 
+# The Python client's own behaviour against the live service: the same on any database.
+pytestmark = pytest.mark.same_on_any_database
+
 
 class _Fast(TypedDict):
     backoff: float

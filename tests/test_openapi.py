@@ -17,6 +17,9 @@ from tests.support.http import T1, T2, post
 from tests.support.metrics import metric, metrics
 from tests.support.streams import WAIT
 
+# The document, and the live app answering as it says: the same on any database.
+pytestmark = pytest.mark.same_on_any_database
+
 DOCUMENT = Path(__file__).resolve().parent.parent / "openapi" / "openapi.json"
 # Generated calls include the stream: schemathesis reads an event stream until it has sent 20
 # events or the call's timeout passed, and generated keys name no instance (the tables start

@@ -1,6 +1,7 @@
 """What the database itself refuses (raw SQL), the migrations, and the indexed reads."""
 
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -17,6 +18,7 @@ from app.data import reads, running, stats
 from app.data.common import constraint_name
 from app.main import alembic_config
 from tests.support.citus import has_citus, node_of, on_citus
+from tests.support.databases import migrated_database
 from tests.support.http import T1, T2
 from tests.support.plans import plan, task_plans
 from tests.support.rows import BASE, VALID, Conn, insert, refused
@@ -373,7 +375,11 @@ def test_migrations_upgrade_downgrade_and_upgrade_again(scratch_database: str) -
 
 
 def load_big_table(db: Conn) -> None:
-    """10^5 records over 100 instances of 1,000 steps."""
+    """10^5 records over 100 instances of 1,000 steps; and instance `run-50` has 10,000 steps
+    not yet started more (the case the page function's index is for: with a hundred, sorting
+    them is as cheap as reading them in order, and which plan wins then turns on where the
+    instance's rows lie in its Citus shard, which the instance id, keyed by each database's
+    own secret, makes different on every run)."""
     db.execute("""
         INSERT INTO process_instance (id, instance_key)
         SELECT steprecord_instance_id('run-' || i), 'run-' || i FROM generate_series(1, 100) i
@@ -386,15 +392,35 @@ def load_big_table(db: Conn) -> None:
                     ELSE timestamptz '2026-01-01' + (s * 7 % 1000) * interval '1 s' END
         FROM process_instance p, generate_series(0, 999) s
     """)
+    db.execute("""
+        INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attempt_count)
+        SELECT p.id, 'step-' || s, s, 'pending', 1
+        FROM process_instance p, generate_series(1000, 10899) s
+        WHERE p.id = steprecord_instance_id('run-50')
+    """)
     db.execute("ANALYZE process_instance")
     db.execute("ANALYZE workflow_step_record")
+    db.execute("ANALYZE workflow_step_attempt")
+
+
+@pytest.fixture(scope="module")
+def big_database(server_dsn: str) -> Iterator[str]:
+    """A database of this module's own holding the big table (`load_big_table`), committed
+    (on Citus each worker sees it) and loaded once for the plan tests, which only read it."""
+    with migrated_database(server_dsn, "steprecord_plans_") as url:
+        with psycopg.connect(url, autocommit=True) as conn:
+            load_big_table(conn)
+        yield url
 
 
 @pytest.fixture
-def big_table(db: Conn) -> Conn:
-    """10^5 records over 100 instances of 1,000 steps (rolled back after the test)."""
-    load_big_table(db)
-    return db
+def big_table(big_database: str) -> Iterator[Conn]:
+    """A connection to the big table's database, in a transaction rolled back after the test."""
+    with psycopg.connect(big_database) as conn:
+        try:
+            yield conn
+        finally:
+            conn.rollback()
 
 
 def function_plans(db: Conn, sql: str, params: list[Any]) -> str:
@@ -428,28 +454,13 @@ def function_plans(db: Conn, sql: str, params: list[Any]) -> str:
     ],
 )
 def test_the_page_function_reads_its_index_and_sorts_nothing(
-    database_url: str, order: str, after_started_at: str | None, index: str
+    big_database: str, order: str, after_started_at: str | None, index: str
 ) -> None:
     """The records come from the index, in order, under the page's LIMIT. On Citus, on the
-    worker that holds the instance, where the function's statements run on its shards (the
-    table is committed, for that worker to see).
-
-    The instance read holds 10,000 steps not yet started (the case the index is for): with a
-    hundred, sorting them is as cheap as reading them in order, and which plan wins then turns
-    on where the instance's rows lie in its shard, which the instance id (keyed by each
-    database's own secret) makes different on every run."""
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        load_big_table(conn)
-        conn.execute("""
-            INSERT INTO workflow_step_record
-                (instance_id, step_slug, ordinal, status, attempt_count)
-            SELECT p.id, 'step-' || s, s, 'pending', 1
-            FROM process_instance p, generate_series(1000, 10899) s
-            WHERE p.id = steprecord_instance_id('run-50')
-        """)
-        conn.execute("ANALYZE workflow_step_record")
+    worker that holds the instance, where the function's statements run on its shards. The
+    instance read, `run-50`, holds 10,000 steps not yet started (`load_big_table`)."""
     params = ["run-50", order, 10, after_started_at, 0, None, 51, reads.PAGE_READ_BYTES]
-    with psycopg.connect(node_of(database_url, "run-50")) as conn:
+    with psycopg.connect(node_of(big_database, "run-50")) as conn:
         text = function_plans(conn, reads.LIST_PAGE, params)
     lines = text.splitlines()
     limit = next(i for i, line in enumerate(lines) if "->  Limit" in line)
