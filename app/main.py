@@ -30,7 +30,7 @@ from .data import migrating, placement  # noqa: F401 (registers the migrations' 
 from .data.revision import MIGRATION_LOCK
 from .data.roles import keep_grants
 from .ops import observe, pruning, readiness, replica, server, sweeper
-from .ops.distribution import distribute, has_citus, reaching_workers
+from .ops.distribution import distribute, drop_shard_judges, has_citus, reaching_workers
 from .ops.nodes import Nodes
 from .ops.observe import Observe
 
@@ -105,6 +105,8 @@ def _upgrade_on(context: EnvironmentContext, connection: Connection) -> None:
         if target == "head":
             target = context.script.get_current_head()
         at = f"at revision {current}" if current else "never migrated"
+        if current != target:  # the judge's copies on the shards' nodes go first
+            drop_shard_judges(connection)
         with reaching_workers(f"migrate the database ({at}) to revision {target}"):
             context.run_migrations()
         # On Citus, distribute what is not distributed yet (app/ops/distribution.py); nothing

@@ -7,6 +7,7 @@ event (or per set of events of distinct steps), nothing decided in Python.
 
 from collections.abc import Callable, Sequence
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import psycopg
 
@@ -44,11 +45,21 @@ APPLY_EVENTS = (
 # answer, by the same rules (app/sql/judge_rules.sql), in statements of one table each by the
 # instance's id. Its first argument is that id, derived from the key in the statement itself
 # (app/sql/instance_id.sql): on Citus the coordinator sends the call to the worker holding it.
-APPLY_EVENT = (
-    "SELECT * FROM steprecord_apply_event(steprecord_instance_id($2::text), $1::int, $2::text,"
+APPLY_EVENT_WITH = (
+    "SELECT * FROM {}(steprecord_instance_id($2::text), $1::int, $2::text,"
     " $3::text, $4::text, $5::bigint, $6::timestamptz, $7::timestamptz, $8::text, $9::text,"
     " $10::text, $11::text, $12::bigint, $13::int, $14::text, $15::text, $16::jsonb)"
 )
+APPLY_EVENT = APPLY_EVENT_WITH.format("steprecord_apply_event")
+
+# On Citus, the same call of the judge's copy for the instance's shard, on the node that
+# holds it (app/sql/shard_judge.sql): the same statements on the shard's own tables, without
+# Citus's planner and executor in each. The node makes the copy and names it
+# (`steprecord_shard_judge`, NULL when the shard is not there: the call is then the
+# distributed judge's); asked once per connection and shard. A copy's name changes with its
+# text: one gone (undefined_function, a revision made the template anew) is asked again.
+SHARD_JUDGE = "SELECT steprecord_shard_judge(%s) AS name"
+_COPIES: WeakKeyDictionary[AsyncConn, dict[int, str]] = WeakKeyDictionary()
 
 
 # An event with no row in the answer lost a race with a concurrent creator of its instance (the
@@ -93,21 +104,26 @@ Outcomes = list[Result | Exception]
 
 
 async def apply_event(
-    conn: AsyncConn, event: Event, *, writer: str, trace_id: str | None = None
+    conn: AsyncConn,
+    event: Event,
+    *,
+    writer: str,
+    trace_id: str | None = None,
+    shard: int | None = None,
 ) -> Result:
     """Apply one event; raise what the database refused.
 
-    It goes to `steprecord_apply_event`, which judges an existing record itself (and writes
-    it only when the event applies), and calls the general statement for the rest. An attempt
-    the event starts keeps `trace_id` (the request's W3C trace id, 32 lowercase hex digits);
-    a record it writes keeps `writer` (the request's token's name, or `anonymous`).
+    It goes to `steprecord_apply_event`, which judges it and writes only when the event
+    applies; on Citus, with the instance's `shard` known, to that shard's copy on the node
+    `conn` is to. An attempt the event starts keeps `trace_id` (the request's W3C trace id,
+    32 lowercase hex digits); a record it writes keeps `writer` (the request's token's name,
+    or `anonymous`).
     """
     if event.kind == "heartbeat":
         (result,) = await apply_events(conn, [event], writer=writer)
     else:
         outcomes: list[Result | Exception | None] = [None]
-        params = _scalars(trace_id, writer)
-        await _apply_statement(conn, APPLY_EVENT, PARAMS, [event], [0], outcomes, params)
+        await _apply_one(conn, [event], 0, outcomes, _scalars(trace_id, writer), shard)
         result = await _final(conn, event, outcomes[0])
     if isinstance(result, Exception):
         raise result
@@ -115,7 +131,12 @@ async def apply_event(
 
 
 async def apply_events(
-    conn: AsyncConn, events: Sequence[Event], *, writer: str, trace_id: str | None = None
+    conn: AsyncConn,
+    events: Sequence[Event],
+    *,
+    writer: str,
+    trace_id: str | None = None,
+    shards: Sequence[int | None] | None = None,
 ) -> Outcomes:
     """Apply events in order, each judged as if alone; one result (or refusal) per event.
 
@@ -126,11 +147,13 @@ async def apply_events(
 
     On Citus each event is a call of its own, in order (`_apply_one_by_one`): the statement
     above joins the instances of many workers, which Citus would run as one distributed
-    transaction.
+    transaction. Each event's instance's shard, where known (`shards`), picks the shard's
+    copy of the judge, as `apply_event` does.
     """
     outcomes: list[Result | Exception | None] = [None] * len(events)
     if await placement.is_citus(conn):
-        await _apply_one_by_one(conn, events, outcomes, trace_id, writer)
+        known = [None] * len(events) if shards is None else shards
+        await _apply_one_by_one(conn, events, outcomes, trace_id, writer, known)
         return [await _final(conn, events[i], o) for i, o in enumerate(outcomes)]
     segment: list[int] = []
     seen: set[tuple[str, str]] = set()
@@ -152,6 +175,7 @@ async def _apply_one_by_one(
     outcomes: list[Result | Exception | None],
     trace_id: str | None,
     writer: str,
+    shards: Sequence[int | None],
 ) -> None:
     """Each event as its own endpoint judges it, in order: an event as `apply_event` sends it
     (its instance's worker runs it), a heartbeat as a one-element call (Citus routes its
@@ -166,7 +190,7 @@ async def _apply_one_by_one(
                 )
             else:
                 params = _scalars(trace_id, writer)
-                await _apply_statement(conn, APPLY_EVENT, PARAMS, events, [index], outcomes, params)
+                await _apply_one(conn, events, index, outcomes, params, shards[index])
         except psycopg.OperationalError as exc:
             if conn.closed:  # the coordinator itself is gone: the whole request is refused
                 raise
@@ -231,6 +255,39 @@ def _scalars(trace_id: str | None, writer: str) -> Params:
         return [index, *fields, trace_id, writer, events[index].labels]
 
     return params
+
+
+async def _apply_one(
+    conn: AsyncConn,
+    events: Sequence[Event],
+    index: int,
+    outcomes: list[Result | Exception | None],
+    params: Params,
+    shard: int | None,
+) -> None:
+    """One event (not a heartbeat): to its shard's copy of the judge when there is one on
+    this node, else to `steprecord_apply_event`."""
+    if shard is not None and (name := await _copy(conn, shard)) is not None:
+        statement = APPLY_EVENT_WITH.format(name)
+        try:
+            await _apply_statement(conn, statement, PARAMS, events, [index], outcomes, params)
+            return
+        except psycopg.errors.UndefinedFunction:  # the copy was made anew: ask next time
+            _COPIES[conn].pop(shard, None)
+    await _apply_statement(conn, APPLY_EVENT, PARAMS, events, [index], outcomes, params)
+
+
+async def _copy(conn: AsyncConn, shard: int) -> str | None:
+    """The name of the judge's copy for `shard` on this connection's node (None: no copy,
+    the shard is not there)."""
+    copies = _COPIES.setdefault(conn, {})
+    name = copies.get(shard)
+    if name is None:
+        row = await (await conn.execute(SHARD_JUDGE, (shard,))).fetchone()
+        if row is None or row["name"] is None:
+            return None
+        name = copies[shard] = str(row["name"])
+    return name
 
 
 async def _apply_statement(

@@ -38,6 +38,7 @@ CALL = (
     "steprecord_prune_due",
     "steprecord_prune_delete",
     "steprecord_patch_labels",
+    "steprecord_shard_judge",
 )
 
 

@@ -151,6 +151,24 @@ ORDER BY p.proname <> 'steprecord_instance_id_key', p.oid
 """
 
 
+# The copies of the judge that Citus nodes made for their shards (app/sql/shard_judge.sql),
+# dropped on every node before a migrate that changes the schema: a copy names the judge's
+# answer type, which a revision may drop and make again (the copies are made again on first
+# use). Over connections of Citus's own, outside the migration's transaction; a node that
+# cannot be reached keeps its copies, and the migration, which must change it too, then
+# stops naming it.
+SHARD_JUDGES_KNOWN = "SELECT to_regproc('steprecord_drop_shard_judges') IS NOT NULL"
+DROP_SHARD_JUDGES = (
+    "SELECT count(*) FROM run_command_on_all_nodes('SELECT steprecord_drop_shard_judges()')"
+)
+
+
+def drop_shard_judges(connection: Connection) -> None:
+    """Before migrations on Citus: every node's copies of the judge dropped (above)."""
+    if has_citus(connection) and connection.exec_driver_sql(SHARD_JUDGES_KNOWN).scalar_one():
+        connection.exec_driver_sql(DROP_SHARD_JUDGES)
+
+
 def custom_plan_statements() -> list[str]:
     """The statements by which distribution makes the judge's functions plan with their values
     (5. above): all it changes in the functions `app/sql/` defines."""

@@ -60,25 +60,29 @@ class Nodes:
 
     async def pools_of(self, keys: list[str]) -> list[Pool]:
         """The pool to send each key's calls to: its node's, else the primary's."""
+        return [pool for pool, _ in await self.places_of(keys)]
+
+    async def places_of(self, keys: list[str]) -> list[tuple[Pool, int | None]]:
+        """Each key's pool (its node's, else the primary's) and shard (None: not known)."""
         missing = [key for key in dict.fromkeys(keys) if key not in self._shards]
         if missing:
             try:
                 async with self._primary.connection(name="shards_of") as conn:
                     shards = await placement.shards_of(conn, missing)
             except DatabaseUnavailable:
-                return [self._primary] * len(keys)
+                return [(self._primary, None)] * len(keys)
             for key, shard in zip(missing, shards, strict=True):
                 self._shards[key] = shard
             while len(self._shards) > KEYS:
                 self._shards.popitem(last=False)
-        pools = []
+        places = []
         for key in keys:
             known = self._shards.get(key)
             if known is not None:
                 self._shards.move_to_end(key)
             node = None if known is None else self._map.get(known)
-            pools.append(self._primary if node is None else await self._pool(node))
-        return pools
+            places.append((self._primary if node is None else await self._pool(node), known))
+        return places
 
     async def _pool(self, node: Node) -> Pool:
         pool = self._pools.get(node)

@@ -33,7 +33,9 @@ COMMAND = "python -m app.sql freeze"
 _SECTION = re.compile(r"^-- ===== app/sql/([\w.-]+\.sql) =====\n", re.MULTILINE)
 _REMOVED = re.compile(r"^-- ===== app/sql/([\w.-]+\.sql) removed =====$", re.MULTILINE)
 _OTHER_SECTION = re.compile(r"^-- ===== ", re.MULTILINE)
-_FUNCTION = re.compile(r"CREATE OR REPLACE FUNCTION (\w+)\s*\(")
+# A function a file creates; its name may end in a format() placeholder, the function then
+# being a template's (apply_event.sql: the judge, and its copies named after it).
+_FUNCTION = re.compile(r"CREATE OR REPLACE FUNCTION (\w+)(?:%\d+\$s)?\s*\(")
 _TYPE = re.compile(r"^CREATE TYPE (\w+) AS\b", re.MULTILINE)
 _REVISION = re.compile(r"^(\d{4})_\w+$")
 

@@ -25,6 +25,14 @@
 -- shard is). Citus keeps one generic plan per connection for such a "fast path" statement
 -- (plan_cache_mode = force_generic_plan, as on one node).
 --
+-- The function is written once, as a template (steprecord_apply_event_text, below), and made
+-- from it: on every database as steprecord_apply_event, on the tables themselves (the end of
+-- this file); on a Citus node, for a shard of the instances that the node holds, as that
+-- shard's copy on the shard's own tables (shard_judge.sql), which the service calls for the
+-- instances it knows to be on that shard: the same statements, without Citus's planner and
+-- executor in each (a replayed event cost a worker 2.45 times one node's CPU through them,
+-- 1.34 times in a copy; docs/scaling.md).
+--
 -- The steps, under the record's row lock (taken in 1, held until the transaction ends, so
 -- every later step judges the record 1 judged):
 --   1. find the record, lock it, and judge the event (judge_outcome); a record counts only
@@ -55,7 +63,22 @@
 -- record starts keeps this call's trace id, and so does a late report's new entry.
 -- steprecord.writer = 'judge' around the late report's write alone: the history's guard lets
 -- the judge, and nothing else, write it (attempt_history.sql).
-CREATE OR REPLACE FUNCTION steprecord_apply_event(
+
+-- The template: the text of a CREATE FUNCTION statement, for format(), whose placeholders are
+--   %1$s  what follows the function's name: nothing for steprecord_apply_event, or the
+--         copy's `_<shard id>_<tag>` (shard_judge.sql);
+--   %2$s  the step records' table (workflow_step_record, or its shard),
+--   %3$s  the instances' table (process_instance, or its shard),
+--   %4$s  the history's table (workflow_step_attempt, or its shard),
+--   %5$s  statements run first (nothing, or a copy's check that its shard is here).
+-- A `%` of the function's own would be written `%%`; it has none.
+CREATE OR REPLACE FUNCTION steprecord_apply_event_text(
+    p_suffix text, p_records text, p_instances text, p_attempts text, p_first text
+) RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $text$
+SELECT format($judge$
+CREATE OR REPLACE FUNCTION steprecord_apply_event%1$s(
     p_instance_id bigint, p_i int, p_instance_key text, p_step_slug text, p_kind text, p_attempt bigint,
     p_started_at timestamptz, p_completed_at timestamptz, p_output text,
     p_external_output_url text, p_error_code text, p_error_message text, p_ordinal bigint,
@@ -87,7 +110,7 @@ DECLARE
     v_trace text := current_setting('steprecord.trace_id', true);  -- restored at the end
     v_writer text := current_setting('steprecord.writer', true);
 BEGIN
-    PERFORM set_config('steprecord.trace_id', coalesce(p_trace_id, ''), true);
+%5$s    PERFORM set_config('steprecord.trace_id', coalesce(p_trace_id, ''), true);
     LOOP
         -- 1. The record, locked, and the event judged against its newest version, with the
         --    attempt and start time an update writes.
@@ -106,13 +129,13 @@ BEGIN
                r.error_code, r.error_message, r.created_at, r.updated_at, r.updated_by,
                r.lease_expires_at
         INTO judged
-        FROM workflow_step_record r
+        FROM %2$s r
         WHERE r.instance_id = v_id AND r.step_slug = p_step_slug
         FOR UPDATE;
         EXIT WHEN FOUND OR v_locked;
 
         -- 5. No record. The instance that holds the id, as it stands.
-        SELECT p.instance_key INTO v_key FROM process_instance p WHERE p.id = v_id;
+        SELECT p.instance_key INTO v_key FROM %3$s p WHERE p.id = v_id;
         IF FOUND AND v_key <> p_instance_key THEN
             RETURN QUERY SELECT p_i, 'instance_key_collision'::text, false,
                 NULL::bigint, NULL::text, NULL::int, NULL::text, NULL::int, NULL::text, NULL::text,
@@ -132,12 +155,12 @@ BEGIN
         -- ordinals one at a time. Its key is read again under the lock: a concurrent creator
         -- may have been another key with the same id.
         IF v_key IS NULL THEN
-            INSERT INTO process_instance (id, instance_key, next_ordinal, labels)
+            INSERT INTO %3$s (id, instance_key, next_ordinal, labels)
             VALUES (v_id, p_instance_key, 0, coalesce(p_labels, '{}'))
             ON CONFLICT DO NOTHING;
         END IF;
         SELECT p.instance_key, p.next_ordinal INTO v_key, v_next
-        FROM process_instance p WHERE p.id = v_id
+        FROM %3$s p WHERE p.id = v_id
         FOR UPDATE;
         IF NOT FOUND THEN
             EXIT;  -- deleted meanwhile: no answer, the caller calls again
@@ -151,7 +174,7 @@ BEGIN
 
     IF judged.id IS NOT NULL AND NOT v_locked THEN
         -- The record counts only when its instance is the key's.
-        PERFORM FROM process_instance p WHERE p.id = v_id AND p.instance_key = p_instance_key;
+        PERFORM FROM %3$s p WHERE p.id = v_id AND p.instance_key = p_instance_key;
         IF NOT FOUND THEN
             RETURN QUERY SELECT p_i, 'instance_key_collision'::text, false,
                 NULL::bigint, NULL::text, NULL::int, NULL::text, NULL::int, NULL::text, NULL::text,
@@ -165,7 +188,7 @@ BEGIN
         -- 2. Applied: the event replaces the record's whole state, as `upd` does.
         v_outcome := 'applied';
         RETURN QUERY
-        UPDATE workflow_step_record r SET
+        UPDATE %2$s r SET
             status = v_status,
             attempt_count = judged.new_attempt,
             started_at = judged.new_started_at,
@@ -194,7 +217,7 @@ BEGIN
             SELECT h.status, h.started_at, h.output, h.external_output_url, h.error_code,
                    h.error_message
             INTO v_entry
-            FROM workflow_step_attempt h
+            FROM %4$s h
             WHERE h.instance_id = v_id AND h.record_id = judged.id
               AND h.attempt = judged.new_attempt;
             v_completed_at := judge_event_completed_at(
@@ -203,7 +226,7 @@ BEGIN
             IF (v_entry.status IS NULL OR v_entry.status IN ('running', 'superseded'))
                AND v_started_at <= v_completed_at THEN
                 PERFORM set_config('steprecord.writer', 'judge', true);
-                INSERT INTO workflow_step_attempt AS a (
+                INSERT INTO %4$s AS a (
                     id, instance_id, record_id, attempt, status, started_at, completed_at,
                     output, external_output_url, error_code, error_message, created_at,
                     updated_at, reported_by)
@@ -212,7 +235,7 @@ BEGIN
                         judged.new_attempt, v_status, v_started_at, v_completed_at,
                         p_output::jsonb, p_external_output_url, p_error_code, p_error_message,
                         v_now, v_now, p_reported_by)
-                ON CONFLICT ON CONSTRAINT uq_workflow_step_attempt_instance_id_record_id_attempt
+                ON CONFLICT (instance_id, record_id, attempt)
                 DO UPDATE SET
                     status = EXCLUDED.status,
                     started_at = EXCLUDED.started_at,
@@ -251,7 +274,7 @@ BEGIN
                 NULL::timestamptz, NULL::timestamptz, NULL::timestamptz, NULL::text, NULL::text,
                 NULL::timestamptz, NULL::timestamptz, NULL::text;
         ELSE
-            UPDATE process_instance p
+            UPDATE %3$s p
             SET next_ordinal = CASE WHEN p_ordinal IS NULL THEN v_next + 1
                                     ELSE GREATEST(v_next, p_ordinal + 1) END
             WHERE p.id = v_id;
@@ -260,7 +283,7 @@ BEGIN
             -- holds fails uq_workflow_step_record_instance_id_ordinal.
             v_outcome := 'created';
             RETURN QUERY
-            INSERT INTO workflow_step_record AS r (
+            INSERT INTO %2$s AS r (
                 id, instance_id, step_slug, ordinal, status, attempt_count, output,
                 external_output_url, started_at, completed_at, error_code, error_message,
                 lease_expires_at, created_at, updated_at, updated_by)
@@ -283,12 +306,23 @@ BEGIN
     -- 6. The labels of an event answered 2xx, merged into its instance's when they change
     --    something (decided on the row's newest version: the UPDATE waits for its lock).
     IF p_labels IS NOT NULL AND v_outcome IN ('created', 'applied', 'replay') THEN
-        UPDATE process_instance p SET labels = p.labels || p_labels
+        UPDATE %3$s p SET labels = p.labels || p_labels
         WHERE p.id = v_id AND NOT p.labels @> p_labels;
     END IF;
     PERFORM set_config('steprecord.trace_id', coalesce(v_trace, ''), true);
 END
-$fn$;
+$fn$
+$judge$, p_suffix, p_records, p_instances, p_attempts, p_first)
+$text$;
+
+-- The judge itself, on the tables: on one node, and on Citus the distributed function that
+-- migrate delegates to the instance's worker (app/ops/distribution.py).
+DO $do$
+BEGIN
+    EXECUTE steprecord_apply_event_text(
+        '', 'workflow_step_record', 'process_instance', 'workflow_step_attempt', '');
+END
+$do$;
 
 -- Called by the owner and the roles it granted (owner_rights.sql).
 REVOKE ALL ON FUNCTION steprecord_apply_event FROM PUBLIC;

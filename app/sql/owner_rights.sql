@@ -11,7 +11,8 @@
 --   steprecord_apply_event, steprecord_apply_events, steprecord_heartbeat (the judge),
 --   steprecord_reopen (an operator's repair), steprecord_sweep_instance (the sweeper),
 --   steprecord_delete_instance and steprecord_prune_* (deletion), steprecord_patch_labels
---   (an instance's labels).
+--   (an instance's labels), steprecord_shard_judge (on Citus, the judge's copy for a
+--   shard, shard_judge.sql).
 -- Each file revokes its functions from PUBLIC: only the owner, and the roles it granted
 -- EXECUTE, call them.
 --

@@ -22,16 +22,15 @@ The shapes (on the worker, every call for an instance the worker holds):
 - generic: the same, the session's `plan_cache_mode = force_generic_plan`: the call planned
   once per connection (what the service cannot set for its sessions: some of the one-instance
   reads they carry Citus cannot plan generically);
-- twin: a copy of the function under another name, created on the worker alone: not one of
-  Citus's objects, so its call is planned once per connection, yet its statements are still
-  Citus's. (A function `migrate` creates is one of Citus's objects, copied to every node, and
-  its calls are planned anew like the judge's: a twin made that way gains nothing.)
-- shard: a copy that reads and writes the instance's shard tables by name, after taking
-  Citus's shard metadata lock (`lock_shard_metadata`, as Citus's own writes do) and checking
-  that the shard's placement is on this node: Citus's executor is left out of its statements
-  (the history trigger's write still goes through it). What a per-shard judge would cost; the
-  service has none. The copies are made by replacing the tables' names in the function's
-  definition, which is good enough for a measurement, not for a product.
+- twin: the judge made from its template (app/sql/apply_event.sql) under another name, on
+  the distributed tables, created on the worker alone: not one of Citus's objects, so its
+  call is planned once per connection, yet its statements are still Citus's. (A function
+  `migrate` creates is one of Citus's objects, copied to every node, and its calls are planned
+  anew like the judge's: a twin made that way gains nothing.)
+- shard: the shard's copy of the judge that the service calls (app/sql/shard_judge.sql, made
+  by `steprecord_shard_judge`): the same statements on the shard's own tables, after Citus's
+  shard metadata lock and the placement check; Citus's executor is left out of its
+  statements (the history trigger's write still goes through it).
 
 Everything started is stopped at the end, also on failure.
 """
@@ -64,19 +63,10 @@ from tests.support.databases import create_database, server_directory  # noqa: E
 
 NAME = "steprecord_bench_call_shapes"
 INSTANCES = 120
-TABLES = ("workflow_step_record", "process_instance", "workflow_step_attempt")
 GENERIC = {"PGOPTIONS": "-c plan_cache_mode=force_generic_plan"}
 SHARD_OF = "SELECT get_shard_id_for_distribution_column(%s, steprecord_instance_id(%s))"
-# Before the body of the shard's copy: Citus's lock on the shard's metadata (a move takes it
-# exclusively), then the placement checked under it.
-SHARD_CHECK = """BEGIN
-    PERFORM lock_shard_metadata(5, ARRAY[{shard}]::bigint[]);
-    PERFORM FROM pg_dist_placement
-    WHERE shardid = {shard} AND groupid = (SELECT groupid FROM pg_dist_local_group);
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'shard {shard} is not on this node';
-    END IF;
-"""
+TWIN = "SELECT steprecord_apply_event_text(%s, %s, %s, %s, '')"
+TABLES = ("workflow_step_record", "process_instance", "workflow_step_attempt")
 
 
 def pgbench(url: str, script: Path, clients: int, seconds: int, env: dict[str, str]) -> int:
@@ -91,16 +81,6 @@ def pgbench(url: str, script: Path, clients: int, seconds: int, env: dict[str, s
     if done.returncode != 0 or made is None or (failed and int(failed[1])):
         sys.exit(f"pgbench failed:\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
     return int(made[1])
-
-
-def copy_of(definition: str, name: str, shard: int | None, names: dict[str, str]) -> str:
-    """The judge's definition as a function `name`; with `shard`, on that shard's tables."""
-    text = definition.replace("public.steprecord_apply_event(", f"public.{name}(", 1)
-    if shard is None:
-        return text
-    for table in TABLES:  # the table's name alone, not a longer name it begins
-        text = re.sub(rf"\b{table}\b(?!_)", names[table], text)
-    return text.replace("BEGIN\n", SHARD_CHECK.format(shard=shard), 1)
 
 
 def main() -> int:
@@ -129,23 +109,15 @@ def main() -> int:
             }
             shard = shards[1]
             keys = [k for k, s in shards.items() if s == shard]
-            names = {
-                table: str(
-                    conn.execute(
-                        "SELECT shard_name(%s::regclass, (" + SHARD_OF + "))",
-                        (table, table, "r1"),
-                    ).fetchone()[0]  # type: ignore[index]
-                ).removeprefix("public.")
-                for table in TABLES
-            }
         with psycopg.connect(worker_url, autocommit=True) as conn:
-            row = conn.execute(
-                "SELECT pg_get_functiondef('steprecord_apply_event'::regproc)"
-            ).fetchone()
+            row = conn.execute(TWIN, ("_bench_twin", *TABLES)).fetchone()
             assert row is not None
             conn.execute("SET citus.enable_ddl_propagation = off")  # on this node alone
-            conn.execute(copy_of(str(row[0]), "bench_judge_twin", None, names))
-            conn.execute(copy_of(str(row[0]), "bench_judge_shard", shard, names))
+            conn.execute(str(row[0]))
+            row = conn.execute("SELECT steprecord_shard_judge(%s)", (shard,)).fetchone()
+            assert row is not None
+            assert row[0] is not None
+            copy = str(row[0])
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         heads = {
             "replays": pick(keys) + f"\\set s random(0, {REPLAY_STEPS - 1})\n",
@@ -158,8 +130,8 @@ def main() -> int:
             ("one node", one_url, one_nodes, "steprecord_apply_event", {}),
             ("delegated", worker_url, worker_nodes, "steprecord_apply_event", {}),
             ("generic", worker_url, worker_nodes, "steprecord_apply_event", GENERIC),
-            ("twin", worker_url, worker_nodes, "bench_judge_twin", {}),
-            ("shard", worker_url, worker_nodes, "bench_judge_shard", {}),
+            ("twin", worker_url, worker_nodes, "steprecord_apply_event_bench_twin", {}),
+            ("shard", worker_url, worker_nodes, copy, {}),
         ]
         print(
             f"one node and a one-worker cluster (8 shards), uncapped; pgbench {args.clients}"

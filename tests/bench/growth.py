@@ -24,9 +24,10 @@ once briefly unmeasured and then in turn for `--rounds` rounds (the order turnin
   call): replays (a `start` of attempt 1 of an existing record) and new records (a `start` of
   a new step of an existing instance), 16 connections to the one node or the coordinator,
   which delegates each call to the instance's worker;
-- routed: the same calls, each pgbench client connected to one worker and calling only the
-  instances whose shards are on it (so the call runs there), 8 connections per worker (8 to
-  the one node);
+- routed: the same calls as the service sends them on a cluster, each pgbench client
+  connected to one worker and calling only the instances whose shards are on it, each shard's
+  instances through that shard's copy of the judge on the worker (app/sql/shard_judge.sql; a
+  pgbench script per shard), 8 connections per worker (8 to the one node, its judge);
 - single and batch: through `steprecord serve --workers 2` (uncapped) pointed at the one node
   or the coordinator, wrk with events.lua and batch.lua (100 events a request), 16
   connections, on emptied tables (these run last: emptying drops the read table).
@@ -98,12 +99,16 @@ NEW = (
 NEW_PICK = "\\set k random(1, :instances)\n\\set r random(1, 2000000000)\n"
 # The instances' shards and the workers holding them, asked of the coordinator.
 PLACEMENTS = """
-SELECT n.nodeport, array_agg(k ORDER BY k) FROM generate_series(1, %s) k
+SELECT n.nodeport, pl.shardid, array_agg(k ORDER BY k) FROM generate_series(1, %s) k
 JOIN pg_dist_placement pl ON pl.shardid = get_shard_id_for_distribution_column(
     'process_instance', steprecord_instance_id('r' || k))
 JOIN pg_dist_node n ON n.groupid = pl.groupid
-GROUP BY n.nodeport
+GROUP BY n.nodeport, pl.shardid
 """
+# A shard's copy of the judge on the worker holding it, made if needed (as the service asks).
+SHARD_JUDGE = "SELECT steprecord_shard_judge(%s)"
+JUDGE = "steprecord_apply_event"
+
 NO_CGROUPS = (
     "cannot make a cgroup under {path} ({error}): capping each node needs cgroup v1's `cpu`"
     " controller mounted there and the right to write it (root). Run as root where it is, or"
@@ -204,16 +209,25 @@ class Setup:
     url: str  # its database on the one node or the coordinator
     nodes: dict[str, Path]  # node name -> data directory, as citus.cpu_now takes them
     ports: dict[int, str]  # a worker's port -> its database's URL (none for the one node)
-    routes: dict[str, list[int]] = field(default_factory=dict)  # node URL -> instances (r<n>)
+    # node URL -> the judge's function to call -> its instances (r<n>)
+    routes: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     groups: list[Path] = field(default_factory=list)  # its nodes' cgroups
     base: str | None = None  # the service's URL, once started
 
 
-def placements(url: str, ports: dict[int, str], instances: int) -> dict[str, list[int]]:
-    """The instances each worker holds, by the worker's database URL (`ports`: port -> URL)."""
+def placements(url: str, ports: dict[int, str], instances: int) -> dict[str, dict[str, list[int]]]:
+    """The instances each worker holds, by the worker's database URL (`ports`: port -> URL),
+    and by the copy of the judge for their shard there."""
     with psycopg.connect(url, autocommit=True) as conn:
         rows = conn.execute(PLACEMENTS, (instances,)).fetchall()
-    routes = {ports[int(port)]: list(keys) for port, keys in rows}
+    routes: dict[str, dict[str, list[int]]] = {}
+    for port, shard, keys in rows:
+        worker = ports[int(port)]
+        with psycopg.connect(worker, autocommit=True) as conn:
+            (name,) = conn.execute(SHARD_JUDGE, (shard,)).fetchone() or (None,)
+        if name is None:
+            raise RuntimeError(f"the worker at port {port} made no copy of shard {shard}")
+        routes.setdefault(worker, {})[str(name)] = list(keys)
     if len(routes) != len(ports):
         raise RuntimeError(f"some worker holds none of the {instances} instances: {routes}")
     return routes
@@ -227,13 +241,17 @@ def pick(keys: list[int]) -> str:
     return f"\\set j random(0, {len(keys) - 1})\n\\set k case {whens} else {keys[-1]} end\n"
 
 
-def script(tmp: Path, name: str, kind: str, keys: list[int] | None) -> Path:
-    """The judge's call (`kind`: replays or new), on random instances of all or of `keys`."""
+def script(tmp: Path, name: str, kind: str, keys: list[int] | None, function: str = JUDGE) -> Path:
+    """The judge's call (`kind`: replays or new), on random instances of all or of `keys`,
+    to `function` (the judge, or a shard's copy of it)."""
     if kind == "replays":
         head = PICK if keys is None else pick(keys) + f"\\set s random(0, {REPLAY_STEPS - 1})\n"
-        return citus.pgbench_script(tmp, name, head + CALL + "\n")
-    head = NEW_PICK if keys is None else pick(keys) + "\\set r random(1, 2000000000)\n"
-    return citus.pgbench_script(tmp, name, head + NEW + "\n")
+        call = CALL
+    else:
+        head = NEW_PICK if keys is None else pick(keys) + "\\set r random(1, 2000000000)\n"
+        call = NEW
+    call = call.replace(f"{JUDGE}(", f"{function}(", 1)
+    return citus.pgbench_script(tmp, name, head + call + "\n")
 
 
 def process_cpu(pid: int) -> float:
@@ -245,7 +263,7 @@ def process_cpu(pid: int) -> float:
 
 def pgbench_round(
     side: Side,
-    targets: list[tuple[str, Path]],
+    targets: list[tuple[str, list[Path]]],
     clients: int,
     instances: int,
     seconds: float,
@@ -253,7 +271,7 @@ def pgbench_round(
     caps: Caps,
     groups: list[Path],
 ) -> None:
-    """One round on `side`: pgbench on every (URL, script) at once, `clients` each. For WARM
+    """One round on `side`: pgbench on every (URL, scripts) at once, `clients` each. For WARM
     seconds the side's nodes run uncapped (`groups`), while its connections open and fill
     their caches (a new backend of a Citus node plans the function's statements for each shard
     it reaches, several ms of CPU each); then capped again, and counted are the calls that end
@@ -261,11 +279,11 @@ def pgbench_round(
     shutil.rmtree(logs, ignore_errors=True)
     caps.release(groups)
     procs = []
-    for n, (url, path) in enumerate(targets):
+    for n, (url, paths) in enumerate(targets):
         (logs / str(n)).mkdir(parents=True)
         command = ["pgbench", "--no-vacuum", "-c", str(clients), "-j", str(min(clients, run.CPUS))]
         command += ["-T", str(math.ceil(WARM + SETTLE + seconds) + 1), "-M", "prepared"]
-        command += ["-f", str(path)]
+        command += [arg for path in paths for arg in ("-f", str(path))]
         command += ["-D", f"instances={instances}", "-l", f"--log-prefix={logs / str(n)}/tx", url]
         procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     time.sleep(WARM)
@@ -348,12 +366,18 @@ def judge(
     for setup in setups:
         tag = setup.name.replace(" ", "-")
         if load == "calls":
-            targets = [(setup.url, script(root, f"{tag}-{kind}.sql", kind, None))]
+            targets = [(setup.url, [script(root, f"{tag}-{kind}.sql", kind, None)])]
             clients = CONNECTIONS
         else:
             targets = [
-                (url, script(root, f"{tag}-{kind}-{n}.sql", kind, keys))
-                for n, (url, keys) in enumerate(setup.routes.items())
+                (
+                    url,
+                    [
+                        script(root, f"{tag}-{kind}-{n}-{m}.sql", kind, keys, function)
+                        for m, (function, keys) in enumerate(copies.items())
+                    ],
+                )
+                for n, (url, copies) in enumerate(setup.routes.items())
             ]
             clients = ROUTED_CONNECTIONS
         side = Side(setup.name, setup.nodes, None)
@@ -486,7 +510,7 @@ def main() -> int:
             if setup.ports:
                 setup.routes = placements(setup.url, setup.ports, args.instances)
             else:
-                setup.routes = {setup.url: list(range(1, args.instances + 1))}
+                setup.routes = {setup.url: {JUDGE: list(range(1, args.instances + 1))}}
         if {"single", "batch"} & chosen:
             for setup in setups:
                 service = run.service(setup.url, service_log(root, setup), env=SERVICE_ENV)

@@ -122,6 +122,15 @@ async def pools_for(request: Request, keys: list[str]) -> list[Pool]:
     return await nodes.pools_of(keys)
 
 
+async def places_for(request: Request, keys: list[str]) -> list[tuple[Pool, int | None]]:
+    """As `pools_for`, with each key's shard on Citus (None: one node, or not known): the
+    judge calls that shard's copy on its node (app/data/judge.py)."""
+    nodes: Nodes | None = request.app.state.nodes
+    if nodes is None:
+        return [(primary_pool(request), None)] * len(keys)
+    return await nodes.places_of(keys)
+
+
 T = TypeVar("T")
 
 

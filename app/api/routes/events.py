@@ -23,7 +23,7 @@ from .common import (
     KnownQuery,
     StepSlug,
     json_response,
-    pools_for,
+    places_for,
     read_json,
 )
 from .refusals import judged
@@ -56,11 +56,11 @@ def _event_route(kind: Kind) -> None:
             observe.count_event(kind, "refused")
             raise
         trace_id = tracing.trace_id(request)  # the attempt this event starts keeps it
-        (pool,) = await pools_for(request, [instance_key])
+        ((pool, shard),) = await places_for(request, [instance_key])
         async with pool.connection(name="apply_event") as conn:
             try:
                 result = await judge.apply_event(
-                    conn, event, writer=writer_of(request), trace_id=trace_id
+                    conn, event, writer=writer_of(request), trace_id=trace_id, shard=shard
                 )
             except (ConstraintViolation, InvalidData):
                 observe.count_event(kind, "refused")
@@ -142,15 +142,17 @@ async def _apply(
     """Judge the events, each instance's on its node's pool (on one node, all on the primary);
     a node that cannot be reached answers its events 503 when others could."""
     by_pool: dict[Pool, list[int]] = {}
-    for index, pool in enumerate(await pools_for(request, [e.instance_key for e in events])):
+    places = await places_for(request, [e.instance_key for e in events])
+    for index, (pool, _) in enumerate(places):
         by_pool.setdefault(pool, []).append(index)
     outcomes: list[Result | Exception | None] = [None] * len(events)
     for pool, indexes in by_pool.items():
         subset = [events[index] for index in indexes]
+        shards = [places[index][1] for index in indexes]
         try:
             async with pool.connection(name="apply_events") as conn:
                 answers = await judge.apply_events(
-                    conn, subset, writer=writer_of(request), trace_id=trace_id
+                    conn, subset, writer=writer_of(request), trace_id=trace_id, shards=shards
                 )
         except DatabaseUnavailable as exc:
             if len(by_pool) == 1 or isinstance(exc, TokenBusy):
