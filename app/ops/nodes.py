@@ -63,7 +63,8 @@ class Nodes:
         return [pool for pool, _ in await self.places_of(keys)]
 
     async def places_of(self, keys: list[str]) -> list[tuple[Pool, int | None]]:
-        """Each key's pool (its node's, else the primary's) and shard (None: not known)."""
+        """Each key's pool (its node's, else the primary's) and shard (None: not known, or the
+        primary's pool)."""
         missing = [key for key in dict.fromkeys(keys) if key not in self._shards]
         if missing:
             try:
@@ -81,7 +82,10 @@ class Nodes:
             if known is not None:
                 self._shards.move_to_end(key)
             node = None if known is None else self._map.get(known)
-            places.append((self._primary if node is None else await self._pool(node), known))
+            pool = self._primary if node is None else await self._pool(node)
+            # The shard only with its node's pool: the node `DATABASE_URL` names, standing in
+            # for one it does not know or cannot reach, holds no copy of the judge for it.
+            places.append((pool, None if pool is self._primary else known))
         return places
 
     async def _pool(self, node: Node) -> Pool:

@@ -30,8 +30,8 @@
 -- this file); on a Citus node, for a shard of the instances that the node holds, as that
 -- shard's copy on the shard's own tables (shard_judge.sql), which the service calls for the
 -- instances it knows to be on that shard: the same statements, without Citus's planner and
--- executor in each (a replayed event cost a worker 2.45 times one node's CPU through them,
--- 1.34 times in a copy; docs/scaling.md).
+-- executor in each (a replayed event cost a worker 2.2 to 2.45 times one node's CPU through
+-- them, 1.2 to 1.6 times in a copy; docs/scaling.md).
 --
 -- The steps, under the record's row lock (taken in 1, held until the transaction ends, so
 -- every later step judges the record 1 judged):

@@ -4,10 +4,11 @@
 --
 -- steprecord_apply_event's statements on the distributed tables each go through Citus's
 -- planner and executor, and Citus plans every call of a distributed function with parameters
--- anew: a replayed event cost a worker 2.45 times what it costs one node. A copy is made from
--- the same template (apply_event.sql) on the shard's own tables (Citus names them, with
--- shard_name), on this node alone (not one of Citus's objects, so its calls are planned once
--- per connection, as on one node): 1.34 times (tests/bench/call_shapes.py, docs/scaling.md).
+-- anew: a replayed event cost a worker 2.2 to 2.45 times what it costs one node. A copy is
+-- made from the same template (apply_event.sql) on the shard's own tables (Citus names them,
+-- with shard_name), on this node alone (not one of Citus's objects, so its calls are planned
+-- once per connection, as on one node): 1.2 to 1.6 times (tests/bench/call_shapes.py and
+-- tests/bench/growth.py, docs/scaling.md).
 --
 -- What Citus does for the statements it routes, a copy does first, on every call:
 --   - it takes Citus's lock on the shard's metadata, shared (lock_shard_metadata, mode 5, as

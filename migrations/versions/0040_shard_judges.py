@@ -1,12 +1,13 @@
 """The judge written once as a template, and on Citus a copy of it per shard: growth.
 
-On Citus a replayed event cost the worker that holds its instance 2.45 times what it costs
+On Citus a replayed event cost the worker that holds its instance 2.2-2.45 times what it costs
 one node (tests/bench/call_shapes.py): each of `steprecord_apply_event`'s statements on the
 distributed tables goes through Citus's planner and executor, and Citus plans every call of
 a distributed function with parameters anew. With four workers the cluster gave 1.71 times
 one node, not the 2.5 the service is meant to reach (docs/scaling.md). A copy of the judge on
 one shard's own tables, taking Citus's lock on the shard's metadata and checking the
-placement first, cost 1.34 times.
+placement first, 1.2-1.6 times: four workers then judge 2.73 times one node's replays
+(tests/bench/growth.py, every node capped at 0.2 of a core).
 
 1. `apply_event.sql`: the judge's text is a template (`steprecord_apply_event_text`, for
    format(), its placeholders the name's suffix, the three tables and statements run first),

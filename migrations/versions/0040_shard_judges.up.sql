@@ -36,8 +36,8 @@
 -- this file); on a Citus node, for a shard of the instances that the node holds, as that
 -- shard's copy on the shard's own tables (shard_judge.sql), which the service calls for the
 -- instances it knows to be on that shard: the same statements, without Citus's planner and
--- executor in each (a replayed event cost a worker 2.45 times one node's CPU through them,
--- 1.34 times in a copy; docs/scaling.md).
+-- executor in each (a replayed event cost a worker 2.2 to 2.45 times one node's CPU through
+-- them, 1.2 to 1.6 times in a copy; docs/scaling.md).
 --
 -- The steps, under the record's row lock (taken in 1, held until the transaction ends, so
 -- every later step judges the record 1 judged):
@@ -381,10 +381,11 @@ $fn$;
 --
 -- steprecord_apply_event's statements on the distributed tables each go through Citus's
 -- planner and executor, and Citus plans every call of a distributed function with parameters
--- anew: a replayed event cost a worker 2.45 times what it costs one node. A copy is made from
--- the same template (apply_event.sql) on the shard's own tables (Citus names them, with
--- shard_name), on this node alone (not one of Citus's objects, so its calls are planned once
--- per connection, as on one node): 1.34 times (tests/bench/call_shapes.py, docs/scaling.md).
+-- anew: a replayed event cost a worker 2.2 to 2.45 times what it costs one node. A copy is
+-- made from the same template (apply_event.sql) on the shard's own tables (Citus names them,
+-- with shard_name), on this node alone (not one of Citus's objects, so its calls are planned
+-- once per connection, as on one node): 1.2 to 1.6 times (tests/bench/call_shapes.py and
+-- tests/bench/growth.py, docs/scaling.md).
 --
 -- What Citus does for the statements it routes, a copy does first, on every call:
 --   - it takes Citus's lock on the shard's metadata, shared (lock_shard_metadata, mode 5, as

@@ -29,8 +29,9 @@ once briefly unmeasured and then in turn for `--rounds` rounds (the order turnin
   instances through that shard's copy of the judge on the worker (app/sql/shard_judge.sql; a
   pgbench script per shard), 8 connections per worker (8 to the one node, its judge);
 - single and batch: through `steprecord serve --workers 2` (uncapped) pointed at the one node
-  or the coordinator, wrk with events.lua and batch.lua (100 events a request), 16
-  connections, on emptied tables (these run last: emptying drops the read table).
+  or the coordinator, each event sent to its instance's node: wrk with events.lua (64
+  connections) and batch.lua (10 events a request, 8 connections), on emptied tables (these
+  run last: emptying drops the read table).
 
 Per side: the median round's events/s, its ratio to one node's in the same run, what the last
 worker added (as a share of one node's rate), and each node's CPU time per event (its
@@ -75,7 +76,12 @@ CONNECTIONS = 16  # to the one node or the coordinator, as the service's pools w
 ROUTED_CONNECTIONS = 8  # to each worker (and to the one node)
 WARM = 3.0  # seconds of each pgbench round, uncapped, before its window: connections warm up
 SETTLE = 0.3  # seconds between capping again and the window (a few periods)
-SERVICE_WARM_UP = 6.0  # seconds each service runs uncapped before the rounds: its pools warm up
+# Seconds each service runs uncapped before the rounds: its pools warm up (on a cluster each
+# connection compiles the judge's copy of every shard it meets once).
+SERVICE_WARM_UP = 10.0
+# wrk's connections for single events: enough requests in flight that every capped node has
+# work queued while the others are throttled (16 left 4 workers at 60-80 % of their caps).
+SERVICE_CONNECTIONS = 64
 BATCH = (10, 8)  # events per request, connections: a request on a capped cluster takes seconds
 TICK = os.sysconf("SC_CLK_TCK")
 LOADS = ("calls", "routed", "single", "batch")
@@ -402,7 +408,7 @@ def through_service(
 ) -> tuple[list[str], str, list[float]]:
     """Single events or batches through each side's service (its pools warmed up first, the
     side's nodes uncapped meanwhile)."""
-    lua, size, connections = ("events.lua", 1, CONNECTIONS)
+    lua, size, connections = ("events.lua", 1, SERVICE_CONNECTIONS)
     if load == "batch":
         lua, (size, connections) = "batch.lua", BATCH
     wrk_args = [lua[0], run.INSTANCES, connections, size]
