@@ -1,8 +1,8 @@
 """The judge's copy per shard on a Citus cluster (app/sql/shard_judge.sql): the service judges
 each event in its shard's copy on the node that holds the shard; a copy writes its shard's
 tables only while the shard is on its node and the instance in the shard, and is otherwise the
-distributed judge's call; a copy gone is asked for again; `migrate` drops every node's copies
-before it changes the schema."""
+distributed judge's call; a copy gone is asked for again; its callers are the judge's; `migrate`
+drops every node's copies before it changes the schema."""
 
 import uuid
 from collections.abc import Iterator
@@ -12,10 +12,11 @@ import psycopg
 import pytest
 from alembic import command
 
+from app.data import roles
 from app.data.judge import APPLY_EVENT_WITH
 from app.main import alembic_config
 from tests.support.citus import CitusCluster, on_node, one_key_per_worker, rows_on_worker
-from tests.support.databases import migrated_database
+from tests.support.databases import login_role, migrated_database
 from tests.support.http import post, record
 from tests.support.servers import start_server, stop
 
@@ -216,3 +217,32 @@ def test_migrate_drops_every_node_s_copies_before_it_changes_the_schema(
             assert make_copy(worker, shard_of(url, key)) is not None
         command.downgrade(config, "0039")
         assert [copies(worker) for worker in workers] == [[], []]
+
+
+def test_the_copies_follow_the_judge_s_grants_made_or_revoked_after_them(
+    citus: CitusCluster,
+) -> None:
+    """A runtime role granted (`steprecord grant`) after a node made a copy calls it once it
+    asks for it; revoked the judge, it is revoked the copy when the copy is next asked for."""
+    with (
+        login_role(citus.url, "steprecord_late_") as role,
+        migrated_database(citus.url, "steprecord_shard_grant_") as url,
+    ):
+        key = one_key_per_worker(url, citus)[0]
+        worker = workers_of(citus, url)[0]
+        shard = shard_of(url, key)
+        copy = make_copy(worker, shard)
+        assert copy is not None
+        with psycopg.connect(url, autocommit=True) as conn:
+            for statement in roles.grants(role):
+                conn.execute(statement)
+        as_role = psycopg.conninfo.make_conninfo(worker, user=role)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            start_on(as_role, copy, key, "before-asking")
+        assert make_copy(as_role, shard) == copy
+        assert start_on(as_role, copy, key, "granted") == ("created", "running")
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(f"REVOKE EXECUTE ON FUNCTION steprecord_apply_event FROM {role}")
+        assert make_copy(worker, shard) == copy
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            start_on(as_role, copy, key, "revoked")

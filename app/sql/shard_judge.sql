@@ -31,7 +31,10 @@
 -- p_shard, made now when it is not there yet (the copies of that shard of other texts are
 -- dropped then); NULL when the shard is not one of the instances' on this node (the caller
 -- calls steprecord_apply_event). Made with Citus's DDL propagation off: on this node alone.
--- The roles that may call steprecord_apply_event may call the copy (owner_rights.sql).
+-- The roles that may call steprecord_apply_event may call the copy (owner_rights.sql): a
+-- role granted or revoked since it was made is granted or revoked on it when any connection
+-- next asks for it (to cut a role off at once, drop the copies:
+-- steprecord_drop_shard_judges() on each node).
 CREATE OR REPLACE FUNCTION steprecord_shard_judge(p_shard bigint) RETURNS text
 LANGUAGE plpgsql
 SECURITY DEFINER SET search_path = pg_catalog, public, pg_temp
@@ -45,6 +48,7 @@ DECLARE
     v_suffix text;  -- `_<shard id>_<tag>`
     v_name text;
     v_grantee text;
+    v_grant boolean;  -- granted the judge (else only the copy: revoked since)
     v_old regprocedure;
 BEGIN
     -- The shard's tables, when the shard is the instances' and on this node: its co-located
@@ -81,35 +85,43 @@ $first$, p_shard);
                                           v_first);
     v_suffix := format('_%s_%s', p_shard, left(md5(v_text), 12));
     v_name := 'steprecord_apply_event' || v_suffix;
-    IF to_regproc('public.' || v_name) IS NOT NULL THEN
-        RETURN v_name;
-    END IF;
-    -- One maker of a shard's copy at a time (two would collide in the catalog).
+    -- One maker of a shard's copy at a time: two would collide in the catalog (making it, or
+    -- granting it). Held until the call's transaction ends: a call per connection and shard.
     PERFORM pg_advisory_xact_lock(hashtextextended('steprecord_shard_judge ' || p_shard, 0));
-    IF to_regproc('public.' || v_name) IS NOT NULL THEN
-        RETURN v_name;
-    END IF;
     PERFORM set_config('citus.enable_ddl_propagation', 'off', true);
-    FOR v_old IN
-        SELECT p.oid::regprocedure FROM pg_proc p
-        WHERE p.pronamespace = 'public'::regnamespace
-          AND p.proname ~ ('^steprecord_apply_event_' || p_shard || '_[0-9a-f]+$')
+    IF to_regproc('public.' || v_name) IS NULL THEN
+        FOR v_old IN
+            SELECT p.oid::regprocedure FROM pg_proc p
+            WHERE p.pronamespace = 'public'::regnamespace
+              AND p.proname ~ ('^steprecord_apply_event_' || p_shard || '_[0-9a-f]+$')
+        LOOP
+            EXECUTE format('DROP FUNCTION %s', v_old);
+        END LOOP;
+        -- Made in the schema's own: the template names the function without its schema, and
+        -- CREATE puts it in the first of the search path (this function's is restored on
+        -- exit).
+        PERFORM set_config('search_path', 'public, pg_catalog, pg_temp', true);
+        EXECUTE steprecord_apply_event_text(v_suffix, v_records, v_instances, v_attempts,
+                                            v_first);
+        PERFORM set_config('search_path', 'pg_catalog, public, pg_temp', true);
+        EXECUTE format('REVOKE ALL ON FUNCTION public.%s FROM PUBLIC', v_name);
+    END IF;
+    -- Whoever may call the judge may call the copy, and no one else: the roles granted or
+    -- revoked since the copy was made too (`steprecord grant`), each time a copy is named.
+    FOR v_grantee, v_grant IN
+        SELECT coalesce(j.grantee, c.grantee)::regrole::text, j.grantee IS NOT NULL
+        FROM (SELECT a.grantee FROM pg_proc f, aclexplode(f.proacl) a
+              WHERE f.oid = 'steprecord_apply_event'::regproc
+                AND a.privilege_type = 'EXECUTE' AND a.grantee NOT IN (0, f.proowner)) j
+        FULL JOIN (SELECT a.grantee FROM pg_proc f, aclexplode(f.proacl) a
+                   WHERE f.oid = to_regproc('public.' || v_name)
+                     AND a.privilege_type = 'EXECUTE' AND a.grantee NOT IN (0, f.proowner)) c
+            ON c.grantee = j.grantee
+        WHERE j.grantee IS NULL OR c.grantee IS NULL
     LOOP
-        EXECUTE format('DROP FUNCTION %s', v_old);
-    END LOOP;
-    -- Made in the schema's own: the template names the function without its schema, and
-    -- CREATE puts it in the first of the search path (this function's is restored on exit).
-    PERFORM set_config('search_path', 'public, pg_catalog, pg_temp', true);
-    EXECUTE steprecord_apply_event_text(v_suffix, v_records, v_instances, v_attempts, v_first);
-    PERFORM set_config('search_path', 'pg_catalog, public, pg_temp', true);
-    EXECUTE format('REVOKE ALL ON FUNCTION public.%s FROM PUBLIC', v_name);
-    FOR v_grantee IN
-        SELECT a.grantee::regrole::text
-        FROM pg_proc f, aclexplode(f.proacl) a
-        WHERE f.oid = 'steprecord_apply_event'::regproc AND a.privilege_type = 'EXECUTE'
-          AND a.grantee NOT IN (0, f.proowner)
-    LOOP
-        EXECUTE format('GRANT EXECUTE ON FUNCTION public.%s TO %s', v_name, v_grantee);
+        EXECUTE format(CASE WHEN v_grant THEN 'GRANT EXECUTE ON FUNCTION public.%s TO %s'
+                            ELSE 'REVOKE EXECUTE ON FUNCTION public.%s FROM %s' END,
+                       v_name, v_grantee);
     END LOOP;
     RETURN v_name;
 END
