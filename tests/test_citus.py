@@ -332,3 +332,53 @@ def test_token_commands_work_on_a_distributed_database(citus: CitusCluster) -> N
             assert conn.execute("SELECT tokens_required FROM access_policy").fetchone() == (True,)
     finally:
         drop_database(citus.url, name)
+
+
+# Hand-written writes of a guarded row, each refused on the cluster: by the history's guard
+# (only the record's trigger writes the history) and by a record's CHECK (a completed record
+# has its times).
+REFUSED_BY_VALUES = (
+    "INSERT INTO workflow_step_attempt (instance_id, record_id, attempt, status, started_at,"
+    " created_at, updated_at) VALUES (steprecord_instance_id('run-1'), 1, 5, 'running', now(),"
+    " now(), now())",
+    "INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attempt_count,"
+    " created_at, updated_at) VALUES (steprecord_instance_id('run-1'), 'z', 99, 'completed', 1,"
+    " now(), now())",
+)
+REFUSED_BY_SELECT = (
+    "INSERT INTO workflow_step_attempt (instance_id, record_id, attempt, status, started_at,"
+    " created_at, updated_at) SELECT instance_id, id, 5, 'running', now(), now(), now()"
+    " FROM workflow_step_record",
+    "INSERT INTO workflow_step_record (instance_id, step_slug, ordinal, status, attempt_count,"
+    " created_at, updated_at) SELECT instance_id, 'z', 99, 'completed', 1, now(), now()"
+    " FROM workflow_step_record",
+)
+
+
+def test_a_refusal_keeps_its_sqlstate_except_in_rows_citus_copies(citus: CitusCluster) -> None:
+    """An `INSERT … VALUES` refused by a guard or a CHECK answers `23514` on the cluster as on
+    one node; an `INSERT … SELECT` over many instances, whose rows Citus sends to the shards by
+    COPY, answers `XX000` with the same words: Citus relays a shard's refusal of a COPY by its
+    message alone (what docs/operations.md tells a script writer). Nothing is written."""
+    name = f"steprecord_citus_{uuid.uuid4().hex[:8]}"
+    url = create_database(citus.url, name)
+    try:
+        migrate(url)
+        with psycopg.connect(url, autocommit=True) as conn, psycopg.RawCursor(conn) as cur:
+            for key in ("run-1", "run-2", "run-3"):
+                cur.execute(APPLY_EVENT, [0, key, "a", "start", *([None] * 10), "x", None])
+            for statement in REFUSED_BY_VALUES:
+                with pytest.raises(psycopg.errors.CheckViolation) as refused:
+                    conn.execute(statement)
+                assert "violates" in str(refused.value)
+            for statement in REFUSED_BY_SELECT:
+                with pytest.raises(psycopg.errors.InternalError) as copied:
+                    conn.execute(statement)
+                assert "violates" in str(copied.value)
+            counts = conn.execute(
+                "SELECT (SELECT count(*) FROM workflow_step_record),"
+                " (SELECT count(*) FROM workflow_step_attempt)"
+            ).fetchone()
+        assert counts == (3, 3)
+    finally:
+        drop_database(citus.url, name)
