@@ -342,9 +342,11 @@ def test_migrations_upgrade_downgrade_and_upgrade_again(scratch_database: str) -
     )
     assert _functions(scratch_database) == {
         "steprecord_apply_event",
+        "steprecord_apply_event_text",
         "steprecord_apply_events",
         "steprecord_by_owner",
         "steprecord_delete_instance",
+        "steprecord_drop_shard_judges",
         "steprecord_heartbeat",
         "steprecord_instance_id",
         "steprecord_instance_id_key",
@@ -354,6 +356,7 @@ def test_migrations_upgrade_downgrade_and_upgrade_again(scratch_database: str) -
         "steprecord_prune_due",
         "steprecord_prune_lock",
         "steprecord_reopen",
+        "steprecord_shard_judge",
         "steprecord_stream_changes",
         "steprecord_sweep_instance",
     }

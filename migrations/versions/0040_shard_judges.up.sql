@@ -394,9 +394,9 @@ $fn$;
 --     copy's write is before the move (and moved with the shard) or after it (and then sees
 --     where the shard went);
 --   - under that lock, it checks that the shard's placement is on this node and that the
---     event's instance is of this shard (Citus's own answer, get_shard_id_for_distribution_
---     column: a key whose shard the service knew wrong, after the table was distributed
---     again);
+--     event's instance is of this shard (Citus's own answer,
+--     get_shard_id_for_distribution_column: a key whose shard the service knew wrong, after
+--     the table was distributed again);
 --   - when either is not so, it is the distributed judge's call instead: Citus routes its
 --     statements to wherever the shard is now. A stale shard map in the service costs time,
 --     never a write in a shard's table that is no longer the shard.
