@@ -101,7 +101,11 @@ def _upgrade_on(context: EnvironmentContext, connection: Connection) -> None:
             connection.exec_driver_sql("SET LOCAL citus.multi_shard_modify_mode = 'sequential'")
         # On Citus a migration (and distribution) changes the workers too: one that cannot be
         # reached stops it with words that name it (`WorkerUnreachable`), nothing changed.
-        target = context.get_revision_argument()
+        try:
+            target = context.get_revision_argument()
+        except KeyError:  # `alembic current` and the like name no revision: they only read
+            context.run_migrations()
+            return
         if target == "head":
             target = context.script.get_current_head()
         at = f"at revision {current}" if current else "never migrated"

@@ -3,6 +3,9 @@ database (`token`, `prune`) stops on a schema behind this release's head (or non
 which revision is there, which is needed and to run `steprecord migrate`, and writes nothing.
 """
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import psycopg
@@ -126,3 +129,24 @@ def test_commands_run_on_the_head_and_on_a_compatible_newer_schema(
     assert main(["token", "list"]) == 0
     assert capsys.readouterr().out.startswith("ci\twrite")
     assert revision_of(scratch_database) == "0999_future"
+
+
+def test_alembic_s_own_current_command_names_the_revision_and_changes_nothing(
+    scratch_database: str,
+) -> None:
+    """`alembic current` in a clone (docs/operations.md runs alembic's downgrades there) reads
+    the revision: it names no target, and the migration environment migrates nothing for it."""
+    migrate(scratch_database)
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-m", "alembic", "current"],
+        cwd=root,
+        env={**os.environ, "DATABASE_URL": scratch_database},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"{schema_head()} (head)" in done.stdout
+    assert revision_of(scratch_database) == schema_head()

@@ -113,22 +113,19 @@ def primary_pool(request: Request) -> Pool:
     return pool
 
 
-async def pools_for(request: Request, keys: list[str]) -> list[Pool]:
-    """The pool for each instance key's writes: on Citus its node's (app/ops/nodes.py), else the
-    primary's."""
-    nodes: Nodes | None = request.app.state.nodes
-    if nodes is None:
-        return [primary_pool(request)] * len(keys)
-    return await nodes.pools_of(keys)
-
-
 async def places_for(request: Request, keys: list[str]) -> list[tuple[Pool, int | None]]:
-    """As `pools_for`, with each key's shard on Citus (None: one node, or not known): the
-    judge calls that shard's copy on its node (app/data/judge.py)."""
+    """The pool for each instance key's writes, on Citus its node's (app/ops/nodes.py), else
+    the primary's; and its shard on Citus (None: one node, or not known), whose copy of the
+    judge the judge calls on that node (app/data/judge.py)."""
     nodes: Nodes | None = request.app.state.nodes
     if nodes is None:
         return [(primary_pool(request), None)] * len(keys)
     return await nodes.places_of(keys)
+
+
+async def pools_for(request: Request, keys: list[str]) -> list[Pool]:
+    """The pool for each instance key's writes (`places_for`)."""
+    return [pool for pool, _ in await places_for(request, keys)]
 
 
 T = TypeVar("T")
